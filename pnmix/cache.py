@@ -1,0 +1,170 @@
+"""PackedKVCache: append, flush and saliency-once over fixed-capacity packed state tensors.
+
+The state is a dict of plain tensors (format.STATE_NAMES), the same tensors the ONNX graph,
+the C++ core and the TensorRT plugins take. The number of tokens taken, ``seq_len``, is the
+only other state: sink, group and residual counts follow from it (CacheLayout.lengths).
+
+Semantics (SPEC section 2): the first append of an empty cache is the prefill and computes the
+pair mask from its keys; tokens fill the sink, then the residual; whenever the residual holds
+``residual_size`` tokens its oldest ``group_size`` tokens become a quantized group. Appending n
+tokens and then flushing equals flushing each time the residual fills, so the residual never
+needs more than ``residual_size`` rows.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional
+
+import torch
+
+from . import reference
+from .config import PnMixConfig
+from .errors import PnMixError
+from .format import STATE_NAMES, CacheLayout, pack_pair_mask
+
+State = Dict[str, torch.Tensor]
+
+
+def check_new_kv(layout: CacheLayout, k: torch.Tensor, v: torch.Tensor) -> None:
+    want = (layout.batch, layout.kv_heads, layout.head_dim)
+    for name, t in (("keys", k), ("values", v)):
+        if t.dim() != 4 or (t.shape[0], t.shape[1], t.shape[3]) != want:
+            raise PnMixError(
+                f"new {name} must have shape [batch={want[0]}, kv_heads={want[1]}, n, "
+                f"head_dim={want[2]}], got {list(t.shape)}"
+            )
+    if k.shape != v.shape:
+        raise PnMixError(f"new keys {list(k.shape)} and values {list(v.shape)} differ in shape")
+
+
+def append_reference(layout: CacheLayout, state: State, seq_len: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Append fp16 K/V [B, H, n, D] to the state in place (the reference implementation)."""
+    cfg = layout.config
+    n = k.shape[2]
+    if seq_len == 0 and n:
+        state["pair_mask"].copy_(pack_pair_mask(reference.saliency_mask(k, layout)))
+    before = layout.lengths(seq_len)
+    after = layout.lengths(seq_len + n)
+    into_sink = after.sink - before.sink
+    if into_sink:
+        state["sink_k"][:, :, before.sink:after.sink] = k[:, :, :into_sink]
+        state["sink_v"][:, :, before.sink:after.sink] = v[:, :, :into_sink]
+    # The residual stream: what the residual holds, then the new tokens past the sink.
+    stream_k = torch.cat([state["residual_k"][:, :, : before.residual], k[:, :, into_sink:]], dim=2)
+    stream_v = torch.cat([state["residual_v"][:, :, : before.residual], v[:, :, into_sink:]], dim=2)
+    new_groups = after.groups - before.groups
+    if new_groups:
+        _write_groups(layout, state, before.groups, stream_k, stream_v, new_groups)
+    tail = slice(new_groups * cfg.group_size, None)
+    state["residual_k"][:, :, : after.residual] = stream_k[:, :, tail]
+    state["residual_v"][:, :, : after.residual] = stream_v[:, :, tail]
+
+
+def _write_groups(layout, state, first, stream_k, stream_v, count) -> None:
+    b, h, d, gs = layout.batch, layout.kv_heads, layout.head_dim, layout.config.group_size
+    bits = reference.state_channel_bits(layout, state)  # [B, H, D]
+    groups_k = stream_k[:, :, : count * gs].reshape(b, h, count, gs, d)
+    rows_bits = bits.unsqueeze(2).expand(b, h, count, d).reshape(-1, d)
+    packed, step, offset = reference.quantize_key_groups(groups_k.reshape(-1, gs, d), rows_bits, layout)
+    where = (slice(None), slice(None), slice(first, first + count))
+    state["key_codes"][where] = packed.reshape(b, h, count, -1)
+    state["key_step"][where] = step.reshape(b, h, count, d)
+    state["key_offset"][where] = offset.reshape(b, h, count, d)
+    groups_v = stream_v[:, :, : count * gs].reshape(b, h, count, gs, d)
+    packed_v, step_v, offset_v = reference.quantize_values(groups_v, layout)
+    state["value_codes"][where] = packed_v
+    state["value_step"][where] = step_v
+    state["value_offset"][where] = offset_v
+
+
+AppendFn = Callable[[CacheLayout, State, int, torch.Tensor, torch.Tensor], None]
+
+
+class PackedKVCache:
+    """A fixed-capacity pn-mix cache for a batch of equal-length sequences."""
+
+    def __init__(
+        self,
+        config: PnMixConfig,
+        kv_heads: int,
+        head_dim: int,
+        max_seq_len: int,
+        batch: int = 1,
+        device: torch.device | str = "cpu",
+        append_fn: Optional[AppendFn] = None,
+    ):
+        self.layout = CacheLayout(config, batch, kv_heads, head_dim, max_seq_len)
+        self.device = torch.device(device)
+        self.state: State = self.layout.empty_state(self.device)
+        self.seq_len = 0
+        self.saliency_computations = 0
+        self._append_fn = append_fn or append_reference
+
+    @property
+    def config(self) -> PnMixConfig:
+        return self.layout.config
+
+    # ---- the two mechanisms ---------------------------------------------------------------
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append fp16 K/V [B, H, n, D]; flushes full residuals; the first call sets the mask."""
+        check_new_kv(self.layout, k, v)
+        n = k.shape[2]
+        if self.seq_len + n > self.layout.max_seq_len:
+            raise PnMixError(
+                f"cache capacity exceeded: {self.seq_len} + {n} tokens > max_seq_len "
+                f"{self.layout.max_seq_len}"
+            )
+        if n == 0:
+            return
+        if self.seq_len == 0:
+            self.saliency_computations += 1
+        k = k.to(device=self.device, dtype=torch.float16)
+        v = v.to(device=self.device, dtype=torch.float16)
+        self._append_fn(self.layout, self.state, self.seq_len, k, v)
+        self.seq_len += n
+
+    def attend(self, q: torch.Tensor, k_new=None, v_new=None, return_probs: bool = False):
+        """Attention of q [B, Hq, nq, D] over the cache and (optionally) not-yet-appended K/V."""
+        return reference.attend(q, self.layout, self.state, self.seq_len, k_new, v_new, return_probs)
+
+    # ---- inspection -------------------------------------------------------------------------
+    def lengths(self):
+        return self.layout.lengths(self.seq_len)
+
+    def persistent_bytes(self) -> Dict[str, int]:
+        return self.layout.persistent_bytes(self.seq_len, self.state)
+
+    def dequantized(self):
+        return reference.dequantize_cache(self.layout, self.state, self.seq_len)
+
+    def pair_mask(self) -> torch.Tensor:
+        from .format import unpack_pair_mask
+
+        return unpack_pair_mask(self.state["pair_mask"], self.layout.kv_heads, self.layout.pairs)
+
+    # ---- state as plain tensors -------------------------------------------------------------
+    def export_state(self) -> Dict[str, torch.Tensor]:
+        """The state tensors as the ONNX graph and plugins take them (codes and mask as int8)."""
+        out = {}
+        for name in STATE_NAMES:
+            t = self.state[name]
+            out[name] = t.view(torch.int8) if t.dtype == torch.uint8 else t
+        return out
+
+    def import_state(self, tensors: Dict[str, torch.Tensor], seq_len: int) -> None:
+        """Load state tensors (as export_state gives them) holding seq_len tokens."""
+        shapes = self.layout.state_shapes()
+        missing = [n for n in STATE_NAMES if n not in tensors]
+        if missing:
+            raise PnMixError(f"cache state is missing tensor '{missing[0]}'")
+        if not 0 <= seq_len <= self.layout.max_seq_len:
+            raise PnMixError(f"seq_len {seq_len} outside 0..{self.layout.max_seq_len}")
+        for name in STATE_NAMES:
+            t = tensors[name]
+            if tuple(t.shape) != shapes[name]:
+                raise PnMixError(f"state tensor '{name}' has shape {list(t.shape)}, expected {list(shapes[name])}")
+            if t.element_size() != self.state[name].element_size():
+                raise PnMixError(f"state tensor '{name}' has dtype {t.dtype}, expected {self.state[name].dtype}")
+        for name in STATE_NAMES:
+            self.state[name].copy_(tensors[name].to(self.device).view(self.state[name].dtype))
+        self.seq_len = seq_len

@@ -1,0 +1,319 @@
+"""The `pnmix` command line. One function per command; errors are one line and exit 2."""
+
+from __future__ import annotations
+
+import functools
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Callable, List, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .errors import PnMixError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="pnmix: the pn-mix 2-bit packed KV cache on every backend.")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print figures.")
+app.add_typer(bench_app, name="bench")
+
+console = Console()
+err_console = Console(stderr=True)
+_debug = {"on": False}
+
+ERROR_EXIT = 2
+FAIL_EXIT = 1
+
+
+@app.callback()
+def main(debug: bool = typer.Option(False, "--debug", help="Show a traceback on errors.")) -> None:
+    _debug["on"] = debug
+
+
+def one_line_errors(fn: Callable) -> Callable:
+    """Turn PnMixError (and any unexpected exception) into a one-line message and exit 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (typer.Exit, typer.Abort, SystemExit):
+            raise
+        except PnMixError as exc:
+            _fail(str(exc))
+        except KeyboardInterrupt:
+            _fail("interrupted")
+        except Exception as exc:  # a bug or an environment problem: still one line
+            _fail(f"{type(exc).__name__}: {' '.join(str(exc).split())}")
+
+    return wrapper
+
+
+def _fail(message: str) -> None:
+    if _debug["on"]:
+        traceback.print_exc()
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code=ERROR_EXIT)
+
+
+def parse_seeds(text: Optional[str], default: List[int]) -> List[int]:
+    if text is None:
+        return list(default)
+    try:
+        seeds = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise PnMixError(f"--seeds must be comma-separated integers, got {text!r}") from None
+    if not seeds:
+        raise PnMixError("--seeds names no seed")
+    return seeds
+
+
+def check_device(device: str) -> str:
+    import torch
+
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise PnMixError(f"--device must be cpu or cuda, got {device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise PnMixError("--device cuda asked for, but torch sees no CUDA device")
+    return device
+
+
+def _fmt(entry: Optional[dict]) -> str:
+    if not entry:
+        return "-"
+    mean, std = entry["mean"], entry.get("std", 0.0)
+    if isinstance(mean, int) or float(mean).is_integer() and abs(mean) > 1:
+        return f"{mean:g}" if not std else f"{mean:g} ± {std:.3g}"
+    return f"{mean:.6g} ± {std:.2g}"
+
+
+def print_rows(rows, title: str) -> None:
+    table = Table(title=title)
+    for column in ("metric", "manifest mean ± std", "ours mean ± std", "verdict"):
+        table.add_column(column)
+    styles = {"MISMATCH": "bold red", "better": "green", "exact": "green", "ok": "green"}
+    for row in rows:
+        style = styles.get(row.verdict, "")
+        table.add_row(row.metric, _fmt(row.manifest), _fmt(row.ours),
+                      f"[{style}]{row.verdict}[/]" if style else row.verdict)
+    console.print(table)
+
+
+# ---------------------------------------------------------------------------------------
+# reproduce
+# ---------------------------------------------------------------------------------------
+
+
+@app.command()
+@one_line_errors
+def reproduce(
+    manifest: Optional[Path] = typer.Option(None, help="Manifest JSON (default: the bundled one)."),
+    config: Optional[Path] = typer.Option(None, help="JSON of config fields laid over the manifest's."),
+    seeds: Optional[str] = typer.Option(None, help="Comma-separated seeds (default: the manifest's)."),
+    device: str = typer.Option("cpu", help="cpu or cuda."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
+) -> None:
+    """Run the diagnostic protocol with the PyTorch reference and compare with the manifest."""
+    from .config import run_config
+    from .manifest import compare, load_manifest
+    from .protocol import aggregate, run_record
+    from .verify import run_seeds
+
+    data = load_manifest(manifest)
+    run = run_config(data, config)
+    seed_list = parse_seeds(seeds, data["seeds"])
+    results = run_seeds("torch", run, seed_list, check_device(device))
+    ours = aggregate(results)
+    records = [run_record(r, run) for r in results]
+    rows = compare(data, run, ours, records)
+    print_rows(rows, f"pn-mix reproduce: seeds {','.join(map(str, seed_list))}, device {device}")
+    for r in results:
+        console.print(f"seed {r.seed}: {r.runtime['elapsed_seconds']:.3f} s on {r.runtime['accelerator_model']}")
+    passed = not any(row.failed for row in rows)
+    if json_path is not None:
+        from .io import write_json_atomic
+
+        write_json_atomic(json_path, {
+            "method": "pn-mix",
+            "passed": passed,
+            "seeds": seed_list,
+            "metrics": ours,
+            "runs": records,
+            "comparison": [{"metric": r.metric, "verdict": r.verdict} for r in rows],
+        })
+    console.print("[green]PASS[/]" if passed else "[bold red]FAIL[/]: see MISMATCH rows")
+    raise typer.Exit(code=0 if passed else FAIL_EXIT)
+
+
+# ---------------------------------------------------------------------------------------
+# verify
+# ---------------------------------------------------------------------------------------
+
+
+@app.command()
+@one_line_errors
+def verify(
+    backend: Optional[str] = typer.Option(None, help="torch, core or triton."),
+    onnx: Optional[Path] = typer.Option(None, help="Verify this ONNX file with ONNX Runtime."),
+    engine: Optional[Path] = typer.Option(None, help="Verify this TensorRT engine (plan)."),
+    plugins: Optional[Path] = typer.Option(None, help="The TensorRT plugin library, with --engine."),
+    manifest: Optional[Path] = typer.Option(None, help="Manifest JSON (default: the bundled one)."),
+    config: Optional[Path] = typer.Option(None, help="JSON of config fields laid over the manifest's."),
+    seeds: Optional[str] = typer.Option(None, help="Comma-separated seeds (default: the manifest's)."),
+    device: str = typer.Option("cpu", help="cpu or cuda (triton on cuda, engine always cuda)."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report here."),
+) -> None:
+    """Run the protocol through one backend and compare it with the PyTorch reference."""
+    from .config import run_config
+    from .manifest import load_manifest
+    from .verify import verify as run_verify
+
+    chosen = [name for name, given in (("backend", backend), ("onnx", onnx), ("engine", engine)) if given]
+    if len(chosen) != 1:
+        raise PnMixError("give exactly one of --backend NAME, --onnx MODEL or --engine PLAN")
+    options: dict = {}
+    if onnx is not None:
+        name, options = "onnx", {"model": onnx}
+    elif engine is not None:
+        name, options = "engine", {"plan": engine, "plugins": plugins}
+        device = "cuda"
+    else:
+        name = backend or ""
+        if name not in ("torch", "core", "triton"):
+            raise PnMixError(f"--backend must be torch, core or triton, got {name!r}")
+    if name != "engine":
+        check_device(device)
+    data = load_manifest(manifest)
+    run = run_config(data, config)
+    report = run_verify(name, run, data, parse_seeds(seeds, data["seeds"]), device, **options)
+    _print_verify(report)
+    if json_path is not None:
+        from .io import write_json_atomic
+
+        write_json_atomic(json_path, report)
+    raise typer.Exit(code=0 if report["passed"] else FAIL_EXIT)
+
+
+def _print_verify(report: dict) -> None:
+    table = Table(title=f"pnmix verify: backend {report['backend']} (tolerance {report['tolerance']:g})")
+    for column in ("seed", "max |diff| online", "max |diff| final", "packed bytes", "result"):
+        table.add_column(column)
+    for r in report["runs"]:
+        table.add_row(str(r["seed"]), f"{r['max_abs_diff_online']:.3g}", f"{r['max_abs_diff_final']:.3g}",
+                      "identical" if r["packed_bytes_identical"] else "[red]DIFFER[/]",
+                      "[green]pass[/]" if r["passed"] else "[bold red]FAIL[/]")
+    console.print(table)
+    bad = [row for row in report["manifest"]["rows"] if row["verdict"] == "MISMATCH"]
+    for row in bad:
+        console.print(f"[bold red]manifest MISMATCH[/]: {row['metric']}")
+    console.print("[green]PASS[/]" if report["passed"] else "[bold red]FAIL[/]")
+
+
+# ---------------------------------------------------------------------------------------
+# Commands whose work lives in their own modules (each module owns its command's body)
+# ---------------------------------------------------------------------------------------
+
+
+def _call(module: str, function: str, **kwargs: Any) -> None:
+    """Import module lazily and run its command function; it returns the exit code."""
+    import importlib
+
+    code = getattr(importlib.import_module(module), function)(**kwargs)
+    raise typer.Exit(code=int(code or 0))
+
+
+@app.command()
+@one_line_errors
+def export(
+    output: Path = typer.Option(..., "-o", "--output", help="The ONNX file to write."),
+    config: Optional[Path] = typer.Option(None, help="JSON of config fields laid over the manifest's."),
+    manifest: Optional[Path] = typer.Option(None, help="Manifest JSON (default: the bundled one)."),
+    max_seq_len: int = typer.Option(4096, help="Cache capacity in tokens."),
+    batch: int = typer.Option(1, help="Batch size of the cache state."),
+    opset: int = typer.Option(18, help="ONNX default-domain opset."),
+    seed: int = typer.Option(42, help="Seed of the diagnostic model's weights."),
+) -> None:
+    """Export the diagnostic model with pn-mix custom ops to ONE ONNX file."""
+    _call("pnmix.export.exporter", "export_command", output=output, config=config, manifest=manifest,
+          max_seq_len=max_seq_len, batch=batch, opset=opset, seed=seed)
+
+
+@bench_app.command("decode")
+@one_line_errors
+def bench_decode(
+    context: int = typer.Option(32768, help="Tokens in the cache."),
+    batch: int = typer.Option(1, help="Batch size."),
+    q_heads: int = typer.Option(32, help="Query heads."),
+    kv_heads: int = typer.Option(8, help="KV heads."),
+    head_dim: int = typer.Option(128, help="Head dimension."),
+    threads: Optional[int] = typer.Option(None, help="CPU threads (default: all cores)."),
+    device: str = typer.Option("auto", help="auto, cpu or cuda."),
+    impls: Optional[str] = typer.Option(None, help="Comma-separated implementations (default: all available)."),
+    repeats: int = typer.Option(20, help="Timed repetitions per implementation."),
+    config: Optional[Path] = typer.Option(None, help="JSON of config fields laid over the manifest's."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
+) -> None:
+    """Median time per decode-attention step, cache bytes and bytes read, per implementation."""
+    _call("pnmix.bench", "decode_command", context=context, batch=batch, q_heads=q_heads,
+          kv_heads=kv_heads, head_dim=head_dim, threads=threads, device=device, impls=impls,
+          repeats=repeats, config=config, json_path=json_path)
+
+
+@bench_app.command("onnx")
+@one_line_errors
+def bench_onnx(
+    max_seq_len: int = typer.Option(4096, help="Cache capacity of the exported model."),
+    context: Optional[int] = typer.Option(None, help="Tokens in the cache when timing (default: max_seq_len - 1)."),
+    repeats: int = typer.Option(20, help="Timed decode steps."),
+    model: Optional[Path] = typer.Option(None, help="An exported ONNX file (default: export one to a temporary folder)."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
+) -> None:
+    """Export time, file size and ONNX Runtime CPU time per decode step vs the PyTorch reference."""
+    _call("pnmix.export.bench", "bench_command", max_seq_len=max_seq_len, context=context,
+          repeats=repeats, model=model, json_path=json_path)
+
+
+@app.command()
+@one_line_errors
+def doctor(json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report here.")) -> None:
+    """List each backend as available or not, with the reason, and self-check the available ones."""
+    _call("pnmix.doctor", "doctor_command", json_path=json_path)
+
+
+@app.command("build-engine")
+@one_line_errors
+def build_engine(
+    model: Path = typer.Argument(..., help="The exported ONNX file."),
+    plugins: Path = typer.Option(..., help="libpnmix_trt_plugins.so"),
+    output: Path = typer.Option(..., "-o", "--output", help="The engine (plan) to write."),
+    fp16: bool = typer.Option(False, "--fp16", help="Allow fp16 kernels."),
+    bf16: bool = typer.Option(False, "--bf16", help="Allow bf16 kernels."),
+    max_seq_len: Optional[int] = typer.Option(None, help="Largest prefill in the optimization profile (default: the model's capacity)."),
+) -> None:
+    """Build a TensorRT engine from the exported ONNX file with the pn-mix plugins."""
+    _call("pnmix.trt", "build_engine_command", model=model, plugins=plugins, output=output,
+          fp16=fp16, bf16=bf16, max_seq_len=max_seq_len)
+
+
+@app.command("hf-eval")
+@one_line_errors
+def hf_eval(
+    model_dir: Path = typer.Argument(..., help="A local Hugging Face model directory."),
+    text: Path = typer.Option(..., help="A UTF-8 text file to evaluate on."),
+    prompt_tokens: int = typer.Option(1024, help="Tokens of the text to use."),
+    config: Optional[Path] = typer.Option(None, help="JSON of pn-mix config fields."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
+) -> None:
+    """Teacher-forced KL and perplexity of PnMixCache and QuantizedCache vs full precision."""
+    _call("pnmix.hf.evaluate", "hf_eval_command", model_dir=model_dir, text=text,
+          prompt_tokens=prompt_tokens, config=config, json_path=json_path)
+
+
+def main_entry() -> None:  # console-script entry point
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main_entry())

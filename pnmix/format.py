@@ -1,0 +1,383 @@
+"""The packed cache format: layout, byte accounting, bit packing and the .pnkv dump.
+
+This module is the single Python statement of docs/FORMAT.md. Everything else (the cache, the
+reference kernels, the ONNX exporter, the backends) asks it for shapes, offsets and bytes;
+``plugins/include/pnmix/format.h`` is the C++ statement of the same document.
+
+Conventions (see docs/FORMAT.md for the full text):
+* Bit streams are LSB-first: code i of a b-bit stream occupies stream bits [i*b, (i+1)*b), and
+  stream bit k is bit (k % 8) of byte k // 8. A code may straddle two bytes (b = 3, 5, 6, 7).
+* Keys of one group and KV head: channel after channel in natural channel order; channel c holds
+  its ``group_size`` token codes at ``bits(c)`` bits each, so its byte offset is
+  ``group_size / 8 * sum(bits(c') for c' < c)``.
+* Values: one stream of ``head_dim`` codes per token and KV head.
+* The pair mask: bit ``h * P + p`` set when pair p of KV head h is high.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+from typing import Dict, Iterator, NamedTuple, Tuple
+
+import torch
+
+from .config import PAIR_LAYOUTS, PnMixConfig
+from .errors import PnMixError
+
+# ---------------------------------------------------------------------------------------
+# Bit packing (dense, LSB-first)
+# ---------------------------------------------------------------------------------------
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack unsigned codes [..., n] (each < 2**bits) into uint8 [..., n * bits / 8]."""
+    n = codes.shape[-1]
+    if (n * bits) % 8:
+        raise PnMixError(f"cannot pack {n} codes of {bits} bits densely into whole bytes")
+    shifts = torch.arange(bits, device=codes.device, dtype=torch.int32)
+    stream = (codes.to(torch.int32).unsqueeze(-1) >> shifts) & 1  # [..., n, bits]
+    stream = stream.reshape(*codes.shape[:-1], n * bits // 8, 8)
+    weights = (1 << torch.arange(8, device=codes.device, dtype=torch.int32))
+    return (stream * weights).sum(-1).to(torch.uint8)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of pack_codes: uint8 [..., n * bits / 8] -> uint8 codes [..., n]."""
+    if packed.shape[-1] * 8 != n * bits:
+        raise PnMixError(
+            f"packed stream of {packed.shape[-1]} bytes does not hold {n} codes of {bits} bits"
+        )
+    raw = packed.to(torch.int32)
+    shifts = torch.arange(8, device=packed.device, dtype=torch.int32)
+    stream = ((raw.unsqueeze(-1) >> shifts) & 1).reshape(*packed.shape[:-1], n, bits)
+    weights = (1 << torch.arange(bits, device=packed.device, dtype=torch.int32))
+    return (stream * weights).sum(-1).to(torch.uint8)
+
+
+# ---------------------------------------------------------------------------------------
+# The pair mask and per-channel bit widths
+# ---------------------------------------------------------------------------------------
+
+
+def channel_pairs(head_dim: int, pair_layout: str) -> torch.Tensor:
+    """pair index of each channel: adjacent pairs (2p, 2p+1), half pairs (p, p + D/2)."""
+    channels = torch.arange(head_dim)
+    if pair_layout == "adjacent":
+        return channels // 2
+    if pair_layout == "half":
+        return channels % (head_dim // 2)
+    raise PnMixError(f"pair_layout must be one of {', '.join(PAIR_LAYOUTS)}, got {pair_layout!r}")
+
+
+def pack_pair_mask(high_pairs: torch.Tensor) -> torch.Tensor:
+    """bool [B, H, P] -> uint8 [B, ceil(H*P/8)], bit h*P + p LSB-first."""
+    batch = high_pairs.shape[0]
+    flat = high_pairs.reshape(batch, -1).to(torch.uint8)
+    nbits = flat.shape[1]
+    padded = torch.zeros(batch, math.ceil(nbits / 8) * 8, dtype=torch.uint8, device=flat.device)
+    padded[:, :nbits] = flat
+    return pack_codes(padded, 1)
+
+
+def unpack_pair_mask(mask_bytes: torch.Tensor, kv_heads: int, pairs: int) -> torch.Tensor:
+    """uint8 [B, ceil(H*P/8)] -> bool [B, H, P]."""
+    bits = unpack_codes(mask_bytes, 1, mask_bytes.shape[-1] * 8)
+    return bits[:, : kv_heads * pairs].reshape(-1, kv_heads, pairs).bool()
+
+
+# ---------------------------------------------------------------------------------------
+# The layout: shapes of the state tensors for a given capacity
+# ---------------------------------------------------------------------------------------
+
+
+class Lengths(NamedTuple):
+    """Where the tokens of a cache of seq_len tokens are: sink, groups, residual."""
+
+    sink: int
+    groups: int
+    residual: int
+
+
+# Order and dtypes of the state tensors. ONNX input/output names, the C ABI's buffer order and
+# the .pnkv dump all follow this list.
+STATE_NAMES: Tuple[str, ...] = (
+    "sink_k",
+    "sink_v",
+    "residual_k",
+    "residual_v",
+    "key_codes",
+    "key_step",
+    "key_offset",
+    "value_codes",
+    "value_step",
+    "value_offset",
+    "pair_mask",
+)
+STATE_DTYPES: Dict[str, torch.dtype] = {
+    "sink_k": torch.float16,
+    "sink_v": torch.float16,
+    "residual_k": torch.float16,
+    "residual_v": torch.float16,
+    "key_codes": torch.uint8,
+    "key_step": torch.float16,
+    "key_offset": torch.float16,
+    "value_codes": torch.uint8,
+    "value_step": torch.float16,
+    "value_offset": torch.float16,
+    "pair_mask": torch.uint8,
+}
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Shapes, offsets and byte counts of a packed cache (docs/FORMAT.md section 2)."""
+
+    config: PnMixConfig
+    batch: int
+    kv_heads: int
+    head_dim: int
+    max_seq_len: int
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "kv_heads", "max_seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PnMixError(f"{name} must be a positive integer, got {value!r}")
+        self.config.check_head_dim(self.head_dim)
+
+    # ---- derived sizes -------------------------------------------------------------------
+    @property
+    def pairs(self) -> int:
+        return self.head_dim // 2
+
+    @property
+    def value_block(self) -> int:
+        return self.config.value_block(self.head_dim)
+
+    @property
+    def value_blocks(self) -> int:
+        return self.head_dim // self.value_block
+
+    @property
+    def high_channels(self) -> int:
+        return 2 * self.config.high_pairs(self.head_dim)
+
+    @property
+    def low_channels(self) -> int:
+        return self.head_dim - self.high_channels
+
+    @property
+    def key_group_bytes(self) -> int:
+        """Packed key bytes of one group and KV head (all channels, mixed bits)."""
+        cfg = self.config
+        bits = self.high_channels * cfg.key_high_bits + self.low_channels * cfg.key_low_bits
+        return cfg.group_size * bits // 8
+
+    @property
+    def value_token_bytes(self) -> int:
+        """Packed value bytes of one token and KV head."""
+        return self.head_dim * self.config.value_bits // 8
+
+    @property
+    def mask_bytes(self) -> int:
+        return math.ceil(self.kv_heads * self.pairs / 8)
+
+    @property
+    def max_groups(self) -> int:
+        return self.lengths(self.max_seq_len).groups
+
+    # ---- the append/flush schedule, closed form ---------------------------------------------
+    def lengths(self, seq_len: int) -> Lengths:
+        """Token counts of a cache that has taken seq_len tokens and been flushed (SPEC 2)."""
+        cfg = self.config
+        sink = min(seq_len, cfg.sink_tokens)
+        rest = seq_len - sink
+        groups = 0 if rest < cfg.residual_size else (rest - cfg.residual_size) // cfg.group_size + 1
+        return Lengths(sink, groups, rest - groups * cfg.group_size)
+
+    # ---- state tensors --------------------------------------------------------------------
+    def state_shapes(self) -> Dict[str, Tuple[int, ...]]:
+        b, h, d, cfg = self.batch, self.kv_heads, self.head_dim, self.config
+        g, gs = self.max_groups, cfg.group_size
+        return {
+            "sink_k": (b, h, cfg.sink_tokens, d),
+            "sink_v": (b, h, cfg.sink_tokens, d),
+            "residual_k": (b, h, cfg.residual_size, d),
+            "residual_v": (b, h, cfg.residual_size, d),
+            "key_codes": (b, h, g, self.key_group_bytes),
+            "key_step": (b, h, g, d),
+            "key_offset": (b, h, g, d),
+            "value_codes": (b, h, g, gs, self.value_token_bytes),
+            "value_step": (b, h, g, gs, self.value_blocks),
+            "value_offset": (b, h, g, gs, self.value_blocks),
+            "pair_mask": (b, self.mask_bytes),
+        }
+
+    def empty_state(self, device: torch.device | str = "cpu") -> Dict[str, torch.Tensor]:
+        return {
+            name: torch.zeros(shape, dtype=STATE_DTYPES[name], device=device)
+            for name, shape in self.state_shapes().items()
+        }
+
+    def used_slices(self, seq_len: int) -> Dict[str, Tuple[slice, ...]]:
+        """Index of the persistent (used) part of each state tensor at seq_len tokens."""
+        n = self.lengths(seq_len)
+        everything = slice(None)
+        used = {
+            "sink_k": (everything, everything, slice(0, n.sink)),
+            "residual_k": (everything, everything, slice(0, n.residual)),
+            "key_codes": (everything, everything, slice(0, n.groups)),
+            "pair_mask": (everything,) if seq_len > 0 else (slice(0, 0),),
+        }
+        used["sink_v"], used["residual_v"] = used["sink_k"], used["residual_k"]
+        for name in ("key_step", "key_offset", "value_codes", "value_step", "value_offset"):
+            used[name] = used["key_codes"]
+        return used
+
+    # ---- byte accounting ------------------------------------------------------------------
+    def persistent_bytes(self, seq_len: int, state: Dict[str, torch.Tensor] | None = None) -> Dict[str, int]:
+        """key/value/total persistent bytes: the used part of each state tensor, measured on
+        ``state`` when given (else on tensors of this layout's shapes)."""
+        shapes = self.state_shapes()
+        sizes = {}
+        for name, index in self.used_slices(seq_len).items():
+            tensor = state[name] if state is not None else torch.empty(
+                shapes[name], dtype=STATE_DTYPES[name], device="meta")
+            used = tensor[index]
+            sizes[name] = used.numel() * used.element_size()
+        key = sum(sizes[n] for n in STATE_NAMES if n.startswith(("sink_k", "residual_k", "key_", "pair_")))
+        value = sum(sizes[n] for n in STATE_NAMES if n.startswith(("sink_v", "residual_v", "value_")))
+        return {"key_bytes": key, "value_bytes": value, "persistent_cache_bytes": key + value}
+
+    # ---- per-channel key bit widths ---------------------------------------------------------
+    def channel_bits(self, high_pairs: torch.Tensor) -> torch.Tensor:
+        """bool [..., P] high pairs -> int32 [..., D] bits per channel."""
+        pair_of = channel_pairs(self.head_dim, self.config.pair_layout).to(high_pairs.device)
+        high = high_pairs[..., pair_of]
+        cfg = self.config
+        return torch.where(high, cfg.key_high_bits, cfg.key_low_bits).to(torch.int32)
+
+    def key_channel_offsets(self, channel_bits: torch.Tensor) -> torch.Tensor:
+        """[..., D] bits -> [..., D] byte offset of each channel's stream in a key group."""
+        starts = torch.cumsum(channel_bits, dim=-1) - channel_bits
+        return (starts * (self.config.group_size // 8)).to(torch.int64)
+
+    # ---- key and value groups: pack / unpack --------------------------------------------------
+    def pack_key_group(self, codes: torch.Tensor, channel_bits: torch.Tensor) -> torch.Tensor:
+        """codes uint8 [R, D, gs] (R rows of KV heads), bits [R, D] -> uint8 [R, key_group_bytes]."""
+        rows, d, gs = codes.shape
+        out = torch.zeros(rows, self.key_group_bytes, dtype=torch.uint8, device=codes.device)
+        offsets = self.key_channel_offsets(channel_bits)
+        for bits in torch.unique(channel_bits).tolist():
+            select = channel_bits == bits
+            packed = pack_codes(codes[select], bits)  # [n_sel, gs*bits/8]
+            dest = offsets[select].unsqueeze(-1) + torch.arange(packed.shape[-1], device=codes.device)
+            row = select.nonzero()[:, 0].unsqueeze(-1).expand_as(dest)
+            out[row, dest] = packed
+        return out
+
+    def unpack_key_group(self, packed: torch.Tensor, channel_bits: torch.Tensor) -> torch.Tensor:
+        """uint8 [R, key_group_bytes], bits [R, D] -> codes uint8 [R, D, gs]."""
+        rows = packed.shape[0]
+        gs = self.config.group_size
+        codes = torch.zeros(rows, self.head_dim, gs, dtype=torch.uint8, device=packed.device)
+        offsets = self.key_channel_offsets(channel_bits)
+        for bits in torch.unique(channel_bits).tolist():
+            select = channel_bits == bits
+            width = gs * bits // 8
+            src = offsets[select].unsqueeze(-1) + torch.arange(width, device=packed.device)
+            row = select.nonzero()[:, 0].unsqueeze(-1).expand_as(src)
+            codes[select] = unpack_codes(packed[row, src], bits, gs)
+        return codes
+
+    def pack_value_tokens(self, codes: torch.Tensor) -> torch.Tensor:
+        """codes uint8 [..., D] -> uint8 [..., value_token_bytes]."""
+        return pack_codes(codes, self.config.value_bits)
+
+    def unpack_value_tokens(self, packed: torch.Tensor) -> torch.Tensor:
+        return unpack_codes(packed, self.config.value_bits, self.head_dim)
+
+
+# ---------------------------------------------------------------------------------------
+# The .pnkv dump: a self-describing file of the persistent bytes (docs/FORMAT.md section 4)
+# ---------------------------------------------------------------------------------------
+
+DUMP_MAGIC = b"PNKV"
+DUMP_VERSION = 1
+# magic, version, header bytes, group_size, residual_size, sink_tokens, value_group_size,
+# value_bits, key_high_bits, key_low_bits, pair_layout, batch, kv_heads, head_dim, reserved,
+# high_ratio, seq_len, reserved (64 bytes in all)
+_DUMP_HEADER = struct.Struct("<4sHHIIIIBBBBIIIIdQI")
+DUMP_HEADER_BYTES = _DUMP_HEADER.size
+
+
+def _dump_sections(layout: CacheLayout, seq_len: int) -> Iterator[Tuple[str, Tuple[int, ...]]]:
+    """(name, shape) of each stored section, in STATE_NAMES order, used part only."""
+    shapes = layout.state_shapes()
+    used = layout.used_slices(seq_len)
+    for name in STATE_NAMES:
+        probe = torch.empty(shapes[name], dtype=STATE_DTYPES[name], device="meta")[used[name]]
+        yield name, tuple(probe.shape)
+
+
+def dump_state(layout: CacheLayout, state: Dict[str, torch.Tensor], seq_len: int) -> bytes:
+    """Serialize the persistent part of a cache state (little-endian)."""
+    cfg = layout.config
+    header = _DUMP_HEADER.pack(
+        DUMP_MAGIC, DUMP_VERSION, DUMP_HEADER_BYTES, cfg.group_size, cfg.residual_size,
+        cfg.sink_tokens, cfg.value_group_size, cfg.value_bits, cfg.key_high_bits,
+        cfg.key_low_bits, PAIR_LAYOUTS.index(cfg.pair_layout), layout.batch, layout.kv_heads,
+        layout.head_dim, 0, float(cfg.high_ratio), seq_len, 0,
+    )
+    used = layout.used_slices(seq_len)
+    parts = [header]
+    for name in STATE_NAMES:
+        tensor = state[name][used[name]].contiguous().cpu()
+        parts.append(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return b"".join(parts)
+
+
+def load_state(blob: bytes) -> Tuple[CacheLayout, Dict[str, torch.Tensor], int]:
+    """Parse a .pnkv dump; the layout's capacity is the dump's seq_len. Checks every size."""
+    if len(blob) < DUMP_HEADER_BYTES:
+        raise PnMixError(f"pnkv dump too short: {len(blob)} bytes, header needs {DUMP_HEADER_BYTES}")
+    (magic, version, header_bytes, group_size, residual_size, sink_tokens, value_group_size,
+     value_bits, key_high_bits, key_low_bits, layout_index, batch, kv_heads, head_dim, _reserved,
+     high_ratio, seq_len, _reserved2) = _DUMP_HEADER.unpack_from(blob)
+    if magic != DUMP_MAGIC:
+        raise PnMixError(f"not a pnkv dump: magic {magic!r}, expected {DUMP_MAGIC!r}")
+    if version != DUMP_VERSION or header_bytes != DUMP_HEADER_BYTES:
+        raise PnMixError(f"unsupported pnkv dump version {version} (header {header_bytes} bytes)")
+    if layout_index >= len(PAIR_LAYOUTS):
+        raise PnMixError(f"pnkv dump has an unknown pair_layout code {layout_index}")
+    if seq_len > 1 << 40:
+        raise PnMixError(f"pnkv dump claims an implausible seq_len {seq_len}")
+    config = PnMixConfig(
+        high_ratio=high_ratio, group_size=group_size, residual_size=residual_size,
+        sink_tokens=sink_tokens, value_bits=value_bits, value_group_size=value_group_size,
+        pair_layout=PAIR_LAYOUTS[layout_index], key_high_bits=key_high_bits,
+        key_low_bits=key_low_bits,
+    )
+    layout = CacheLayout(config, batch, kv_heads, head_dim, max(seq_len, 1))
+    sections = list(_dump_sections(layout, seq_len))
+    expected = DUMP_HEADER_BYTES + sum(
+        math.prod(shape) * torch.empty(0, dtype=STATE_DTYPES[name]).element_size()
+        for name, shape in sections
+    )
+    if len(blob) != expected:
+        raise PnMixError(
+            f"pnkv dump size mismatch: header describes {expected} bytes, file has {len(blob)}"
+        )
+    state = layout.empty_state()
+    used = layout.used_slices(seq_len)
+    cursor = DUMP_HEADER_BYTES
+    for name, shape in sections:
+        dtype = STATE_DTYPES[name]
+        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        if nbytes:
+            raw = torch.frombuffer(bytearray(blob[cursor:cursor + nbytes]), dtype=torch.uint8)
+            state[name][used[name]] = raw.view(dtype).reshape(shape)
+        cursor += nbytes
+    return layout, state, seq_len

@@ -1,0 +1,109 @@
+"""The diagnostic model (SPEC section 3): one layer, byte vocabulary, RoPE, GQA.
+
+The token -> q/k/v projection is linear in the embedding, so the model keeps it as three
+fp32 tables of 256 rows (``emb.weight @ W.T``), computed once. Every backend (torch, ONNX,
+TensorRT) then gathers the very same fp32 numbers and applies RoPE with the same fp32
+element-wise arithmetic, so the fp16 K/V that reach the cache are bit-identical everywhere;
+a GEMM in another library would round differently and break packed-byte comparisons.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .format import channel_pairs
+
+VOCAB = 256
+D_MODEL = 128
+Q_HEADS = 4
+KV_HEADS = 2
+HEAD_DIM = 32
+ROPE_BASE = 10000.0
+
+
+def rope_tables(max_positions: int, head_dim: int = HEAD_DIM, base: float = ROPE_BASE):
+    """fp32 (cos, sin) [max_positions, D/2]; angles in float64 so the table is exact to fp32."""
+    pairs = torch.arange(head_dim // 2, dtype=torch.float64)
+    inv_freq = base ** (-2.0 * pairs / head_dim)
+    angles = torch.arange(max_positions, dtype=torch.float64).unsqueeze(-1) * inv_freq
+    return torch.cos(angles).to(torch.float32), torch.sin(angles).to(torch.float32)
+
+
+def pair_channels(head_dim: int, pair_layout: str):
+    """(first, second) channel index of each pair."""
+    pair_of = channel_pairs(head_dim, pair_layout)
+    first = torch.zeros(head_dim // 2, dtype=torch.long)
+    second = torch.zeros(head_dim // 2, dtype=torch.long)
+    for channel in reversed(range(head_dim)):
+        first[pair_of[channel]] = channel
+    for channel in range(head_dim):
+        second[pair_of[channel]] = channel
+    return first, second
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pair_layout: str) -> torch.Tensor:
+    """x fp32 [..., n, D], cos/sin [n, D/2]: rotate each pair (a, b) by its angle."""
+    first, second = pair_channels(x.shape[-1], pair_layout)
+    a, b = x[..., first], x[..., second]
+    out = torch.empty_like(x)
+    out[..., first] = a * cos - b * sin
+    out[..., second] = a * sin + b * cos
+    return out
+
+
+@dataclass
+class QKV:
+    """fp16 projections, head-major: q [B, Hq, n, D], k and v [B, H, n, D]."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+class DiagnosticModel(nn.Module):
+    def __init__(self, seed: int, pair_layout: str = "adjacent"):
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.emb = nn.Embedding(VOCAB, D_MODEL)
+            self.q_proj = nn.Linear(D_MODEL, Q_HEADS * HEAD_DIM, bias=False)
+            self.k_proj = nn.Linear(D_MODEL, KV_HEADS * HEAD_DIM, bias=False)
+            self.v_proj = nn.Linear(D_MODEL, KV_HEADS * HEAD_DIM, bias=False)
+            self.o_proj = nn.Linear(Q_HEADS * HEAD_DIM, D_MODEL, bias=False)
+        self.pair_layout = pair_layout
+        self.requires_grad_(False)
+
+    @torch.no_grad()
+    def token_tables(self):
+        """fp32 [256, heads*D] q, k, v rows of every byte token."""
+        e = self.emb.weight
+        return e @ self.q_proj.weight.T, e @ self.k_proj.weight.T, e @ self.v_proj.weight.T
+
+    @torch.no_grad()
+    def qkv(self, tokens: torch.Tensor, start: int, tables=None) -> QKV:
+        """tokens int64 [B, n] at positions start..start+n-1 -> fp16 q, k, v."""
+        tq, tk, tv = tables if tables is not None else self.token_tables()
+        batch, n = tokens.shape
+        cos, sin = rope_tables(start + n)
+        cos, sin = cos[start:].to(tokens.device), sin[start:].to(tokens.device)
+
+        def heads(table, count):
+            return table[tokens].reshape(batch, n, count, HEAD_DIM).transpose(1, 2)
+
+        q = apply_rope(heads(tq, Q_HEADS), cos, sin, self.pair_layout)
+        k = apply_rope(heads(tk, KV_HEADS), cos, sin, self.pair_layout)
+        return QKV(q.half(), k.half(), heads(tv, KV_HEADS).half())
+
+    @torch.no_grad()
+    def output(self, attention: torch.Tensor) -> torch.Tensor:
+        """attention fp32 [B, Hq, n, D] -> o_proj output [B, n, d_model]."""
+        batch, heads, n, dim = attention.shape
+        return attention.transpose(1, 2).reshape(batch, n, heads * dim) @ self.o_proj.weight.T
+
+
+def attention_scale() -> float:
+    return 1.0 / math.sqrt(HEAD_DIM)
