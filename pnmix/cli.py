@@ -19,8 +19,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print figures.")
 app.add_typer(bench_app, name="bench")
 
-console = Console()
-err_console = Console(stderr=True)
+# Piped output (CI logs, files) gets a width that fits the metric names instead of rich's 80.
+console = Console(width=None if sys.stdout.isatty() else 120)
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
 _debug = {"on": False}
 
 ERROR_EXIT = 2
@@ -91,7 +92,8 @@ def _fmt(entry: Optional[dict]) -> str:
 
 def print_rows(rows, title: str) -> None:
     table = Table(title=title)
-    for column in ("metric", "manifest mean ± std", "ours mean ± std", "verdict"):
+    table.add_column("metric", no_wrap=True)
+    for column in ("manifest mean ± std", "ours mean ± std", "verdict"):
         table.add_column(column)
     styles = {"MISMATCH": "bold red", "better": "green", "exact": "green", "ok": "green"}
     for row in rows:
