@@ -1,0 +1,331 @@
+// plugins/examples/pnmix_trt_run.cpp: embed a pn-mix TensorRT engine in a C++ program.
+//
+//   pnmix_trt_run --engine model.plan --plugins libpnmix_trt_plugins.so [--text hamlet.txt]
+//                 [--prefill 384] [--decode 64]
+//
+// Loads the plugin library into TensorRT's registry, deserializes the engine (built by
+// `pnmix build-engine`, which writes model.plan.json next to it), keeps the packed cache on the
+// device for the whole run, and runs the protocol's token stream: one prefill, `decode` decode
+// steps, then the final evaluation of the decode queries against the final cache. It prints one
+// JSON object: the cache's byte accounting, the protocol checks that need no reference
+// (mask unchanged, attention calls, online vs final-cache delta) and the timings.
+//
+// The cache is updated in place: each state tensor <name> and its output present_<name> are bound
+// to the same device buffer, so no state byte is copied between steps (docs/TENSORRT.md).
+#include <NvInfer.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cctype>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "pnmix/format.h"
+#include "pnmix/params.h"
+
+namespace {
+
+const char* const kStateNames[PNMIX_NUM_STATE] = {"sink_k",     "sink_v",       "residual_k", "residual_v",
+                                                   "key_codes",  "key_step",     "key_offset", "value_codes",
+                                                   "value_step", "value_offset", "pair_mask"};
+
+[[noreturn]] void die(const std::string& message) {
+  std::fprintf(stderr, "error: %s\n", message.c_str());
+  std::exit(2);
+}
+
+void cuda_check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) die(std::string(what) + ": " + cudaGetErrorString(err));
+}
+
+class Logger : public nvinfer1::ILogger {
+ public:
+  void log(Severity severity, const char* msg) noexcept override {
+    if (severity <= Severity::kWARNING) std::fprintf(stderr, "[TensorRT] %s\n", msg);
+  }
+};
+
+struct Args {
+  std::string engine, plugins, text = "pnmix/data/hamlet.txt";
+  int64_t prefill = 384, decode = 64;
+};
+
+Args parse_args(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string key = argv[i];
+    if (i + 1 >= argc) die("missing value after " + key);
+    const std::string value = argv[++i];
+    if (key == "--engine") a.engine = value;
+    else if (key == "--plugins") a.plugins = value;
+    else if (key == "--text") a.text = value;
+    else if (key == "--prefill") a.prefill = std::atoll(value.c_str());
+    else if (key == "--decode") a.decode = std::atoll(value.c_str());
+    else die("unknown option " + key + " (see the comment at the top of pnmix_trt_run.cpp)");
+  }
+  if (a.engine.empty() || a.plugins.empty()) die("usage: pnmix_trt_run --engine PLAN --plugins LIB [--text FILE]");
+  if (a.prefill < 1 || a.decode < 0) die("--prefill must be >= 1 and --decode >= 0");
+  return a;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) die("cannot read " + path);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// The few values the example needs from model.plan.json (a flat scan: the keys are unique there).
+std::string json_value(const std::string& json, const std::string& key) {
+  const std::string quoted = "\"" + key + "\"";
+  size_t at = json.find(quoted);
+  if (at == std::string::npos) die("engine description lacks '" + key + "'");
+  at = json.find(':', at + quoted.size());
+  if (at == std::string::npos) die("engine description: no value for '" + key + "'");
+  ++at;
+  while (at < json.size() && std::isspace(static_cast<unsigned char>(json[at]))) ++at;
+  if (at < json.size() && json[at] == '"') {
+    const size_t end = json.find('"', at + 1);
+    if (end == std::string::npos) die("engine description: unterminated string for '" + key + "'");
+    return json.substr(at + 1, end - at - 1);
+  }
+  size_t end = at;
+  while (end < json.size() && std::string(",}] \n\r\t").find(json[end]) == std::string::npos) ++end;
+  return json.substr(at, end - at);
+}
+
+pnmix_config config_from(const std::string& json) {
+  pnmix_config c{};
+  c.high_ratio = std::atof(json_value(json, "high_ratio").c_str());
+  c.group_size = std::atoi(json_value(json, "group_size").c_str());
+  c.residual_size = std::atoi(json_value(json, "residual_size").c_str());
+  c.sink_tokens = std::atoi(json_value(json, "sink_tokens").c_str());
+  c.value_bits = std::atoi(json_value(json, "value_bits").c_str());
+  c.value_group_size = std::atoi(json_value(json, "value_group_size").c_str());
+  c.pair_layout = json_value(json, "pair_layout") == "half" ? PNMIX_PAIR_HALF : PNMIX_PAIR_ADJACENT;
+  c.key_high_bits = std::atoi(json_value(json, "key_high_bits").c_str());
+  c.key_low_bits = std::atoi(json_value(json, "key_low_bits").c_str());
+  if (const char* bad = pnmix::config_error(c)) die(std::string("engine description: ") + bad);
+  return c;
+}
+
+int64_t volume(const nvinfer1::Dims& d) {
+  int64_t v = 1;
+  for (int i = 0; i < d.nbDims; ++i) v *= d.d[i];
+  return v;
+}
+
+// One device buffer per tensor the engine reads or writes, sized for the largest call.
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  explicit DeviceBuffer(size_t n) : bytes(n) { cuda_check(cudaMalloc(&ptr, std::max<size_t>(n, 1)), "cudaMalloc"); }
+  ~DeviceBuffer() { cudaFree(ptr); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+};
+
+struct Runner {
+  nvinfer1::ICudaEngine* engine;
+  cudaStream_t stream;
+  int64_t batch, q_heads, head_dim, d_model, max_tokens;
+  std::vector<std::unique_ptr<DeviceBuffer>> state;  // the cache, in STATE_NAMES order
+  std::unique_ptr<DeviceBuffer> tokens, attention, output, seq_len, new_len;
+  bool lengths_on_host = false;
+  int64_t host_lengths[2] = {0, 0};
+
+  // One engine call: tokens [B, n] (host), attention out [B, Hq, n, D] copied to `attention_out`.
+  double run(nvinfer1::IExecutionContext* context, const std::vector<int64_t>& host_tokens, int64_t start,
+             int64_t n, int64_t cache_len, int64_t append, std::vector<float>* attention_out) {
+    if (n > max_tokens) die("a call with more tokens than the engine's prefill profile");
+    // tokens: every batch row reads the same text
+    std::vector<int64_t> rows(static_cast<size_t>(batch * n));
+    for (int64_t b = 0; b < batch; ++b)
+      std::copy(host_tokens.begin() + start, host_tokens.begin() + start + n, rows.begin() + b * n);
+    cuda_check(cudaMemcpyAsync(tokens->ptr, rows.data(), rows.size() * 8, cudaMemcpyHostToDevice, stream), "tokens");
+    host_lengths[0] = cache_len;
+    host_lengths[1] = append;
+    void* seq_ptr = seq_len->ptr;
+    void* new_ptr = new_len->ptr;
+    if (lengths_on_host) {
+      seq_ptr = &host_lengths[0];
+      new_ptr = &host_lengths[1];
+    } else {
+      cuda_check(cudaMemcpyAsync(seq_len->ptr, &host_lengths[0], 8, cudaMemcpyHostToDevice, stream), "seq_len");
+      cuda_check(cudaMemcpyAsync(new_len->ptr, &host_lengths[1], 8, cudaMemcpyHostToDevice, stream), "new_len");
+    }
+    nvinfer1::Dims shape{};
+    shape.nbDims = 2;
+    shape.d[0] = batch;
+    shape.d[1] = n;
+    if (!context->setInputShape("tokens", shape)) die("the engine does not take this many tokens");
+    bool ok = context->setTensorAddress("tokens", tokens->ptr) && context->setTensorAddress("seq_len", seq_ptr) &&
+              context->setTensorAddress("new_len", new_ptr) &&
+              context->setTensorAddress("attention", attention->ptr) &&
+              context->setTensorAddress("output", output->ptr);
+    for (int i = 0; i < PNMIX_NUM_STATE; ++i) {
+      // In place: the state input and its present_ output are one device buffer.
+      const std::string present = std::string("present_") + kStateNames[i];
+      ok = ok && context->setTensorAddress(kStateNames[i], state[i]->ptr) &&
+           context->setTensorAddress(present.c_str(), state[i]->ptr);
+    }
+    if (!ok) die("binding the engine's tensors failed: was it built from a pnmix export?");
+    cuda_check(cudaStreamSynchronize(stream), "upload");
+    const auto began = std::chrono::steady_clock::now();
+    if (!context->enqueueV3(stream)) die("TensorRT failed to run the engine (see its log above)");
+    cuda_check(cudaStreamSynchronize(stream), "engine run");
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - began).count();
+    if (attention_out) {
+      attention_out->resize(static_cast<size_t>(batch * q_heads * n * head_dim));
+      cuda_check(cudaMemcpy(attention_out->data(), attention->ptr, attention_out->size() * 4, cudaMemcpyDeviceToHost),
+                 "attention");
+    }
+    return ms;
+  }
+
+  std::vector<uint8_t> download(int i) const {
+    std::vector<uint8_t> host(state[i]->bytes);
+    cuda_check(cudaMemcpy(host.data(), state[i]->ptr, host.size(), cudaMemcpyDeviceToHost), "state");
+    return host;
+  }
+};
+
+double percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  return v[static_cast<size_t>(std::min<double>(v.size() - 1, std::floor(p * (v.size() - 1) + 0.5)))];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Args args = parse_args(argc, argv);
+  const auto wall_began = std::chrono::steady_clock::now();
+  const std::string description = read_file(args.engine + ".json");
+  const pnmix_config config = config_from(description);
+  const int64_t capacity = std::atoll(json_value(description, "capacity").c_str());
+  const std::string text = read_file(args.text);
+  const int64_t total = args.prefill + args.decode;
+  if (static_cast<int64_t>(text.size()) < total) die("the text has fewer bytes than prefill + decode tokens");
+  if (total > capacity) die("prefill + decode tokens exceed the engine's cache capacity");
+  std::vector<int64_t> host_tokens(text.begin(), text.begin() + total);
+  for (auto& t : host_tokens) t = static_cast<unsigned char>(t);  // byte vocabulary
+
+  // 1. The plugins, then the engine (the registry must know the creators before deserializing).
+  Logger logger;
+  std::unique_ptr<nvinfer1::IRuntime> runtime(nvinfer1::createInferRuntime(logger));
+  if (!runtime) die("createInferRuntime failed");
+  if (runtime->getPluginRegistry().loadLibrary(args.plugins.c_str()) == nullptr)
+    die("TensorRT cannot load the plugin library " + args.plugins);
+  const std::string plan = read_file(args.engine);
+  std::unique_ptr<nvinfer1::ICudaEngine> engine(runtime->deserializeCudaEngine(plan.data(), plan.size()));
+  if (!engine) die("TensorRT cannot deserialize " + args.engine);
+
+  // 2. Buffers, the cache kept on the device for the whole run (zeros: an empty cache).
+  Runner r{};
+  r.engine = engine.get();
+  cuda_check(cudaStreamCreate(&r.stream), "cudaStreamCreate");
+  const nvinfer1::Dims sink = engine->getTensorShape("sink_k");
+  const nvinfer1::Dims att = engine->getTensorShape("attention");
+  const nvinfer1::Dims out = engine->getTensorShape("output");
+  if (sink.nbDims != 4 || att.nbDims != 4 || out.nbDims != 3) die("the engine's I/O is not a pnmix export's");
+  r.batch = sink.d[0];
+  r.q_heads = att.d[1];
+  r.head_dim = att.d[3];
+  r.d_model = out.d[2];
+  const int profiles = engine->getNbOptimizationProfiles();
+  r.max_tokens = engine->getProfileShape("tokens", profiles - 1, nvinfer1::OptProfileSelector::kMAX).d[1];
+  pnmix_layout L{config, r.batch, sink.d[1], sink.d[3], capacity};
+  if (const char* bad = pnmix::layout_error(L)) die(std::string("engine description: ") + bad);
+  for (int i = 0; i < PNMIX_NUM_STATE; ++i) {
+    const int64_t bytes = volume(engine->getTensorShape(kStateNames[i])) * pnmix::state_elem_bytes(i);
+    if (bytes != pnmix::state_bytes(L, i))
+      die(std::string("state tensor ") + kStateNames[i] + " does not match docs/FORMAT.md for this config");
+    r.state.emplace_back(new DeviceBuffer(static_cast<size_t>(bytes)));
+    cuda_check(cudaMemsetAsync(r.state.back()->ptr, 0, r.state.back()->bytes, r.stream), "cudaMemset");
+  }
+  r.tokens.reset(new DeviceBuffer(static_cast<size_t>(r.batch * r.max_tokens * 8)));
+  r.attention.reset(new DeviceBuffer(static_cast<size_t>(r.batch * r.q_heads * r.max_tokens * r.head_dim * 4)));
+  r.output.reset(new DeviceBuffer(static_cast<size_t>(r.batch * r.max_tokens * r.d_model * 4)));
+  r.seq_len.reset(new DeviceBuffer(8));
+  r.new_len.reset(new DeviceBuffer(8));
+  r.lengths_on_host = engine->isShapeInferenceIO("seq_len");
+
+  // 3. One execution context per profile: 0 decode (n = 1), 1 prefill and evaluation.
+  std::unique_ptr<nvinfer1::IExecutionContext> decode_ctx(engine->createExecutionContext());
+  std::unique_ptr<nvinfer1::IExecutionContext> prefill_ctx(engine->createExecutionContext());
+  if (!decode_ctx || !prefill_ctx) die("createExecutionContext failed");
+  if (profiles >= 2 && !prefill_ctx->setOptimizationProfileAsync(1, r.stream)) die("no prefill profile");
+  if (!decode_ctx->setOptimizationProfileAsync(0, r.stream)) die("no decode profile");
+
+  // 4. The protocol: prefill, decode steps (the online outputs), final evaluation.
+  std::vector<float> attention;
+  const double prefill_ms = r.run(prefill_ctx.get(), host_tokens, 0, args.prefill, 0, args.prefill, nullptr);
+  const std::vector<uint8_t> mask_after_prefill = r.download(PNMIX_PAIR_MASK);
+  std::vector<double> decode_ms;
+  std::vector<std::vector<float>> online;
+  for (int64_t t = args.prefill; t < total; ++t) {
+    decode_ms.push_back(r.run(decode_ctx.get(), host_tokens, t, 1, t, 1, &attention));
+    online.push_back(attention);
+  }
+  double max_delta = 0.0;
+  int64_t calls = 1 + args.decode;
+  if (args.decode > 0) {
+    r.run(prefill_ctx.get(), host_tokens, args.prefill, args.decode, total, 0, &attention);  // [B, Hq, decode, D]
+    ++calls;
+    for (int64_t t = 0; t < args.decode; ++t)
+      for (int64_t bh = 0; bh < r.batch * r.q_heads; ++bh)
+        for (int64_t c = 0; c < r.head_dim; ++c) {
+          const float a = online[t][bh * r.head_dim + c];
+          const float b = attention[(bh * args.decode + t) * r.head_dim + c];
+          max_delta = std::max(max_delta, static_cast<double>(std::fabs(a - b)));
+        }
+  }
+  const bool mask_unchanged = r.download(PNMIX_PAIR_MASK) == mask_after_prefill;
+
+  // 5. The metrics the engine alone can give (quality metrics need the reference: pnmix verify --engine).
+  int64_t key_bytes = 0, value_bytes = 0;
+  for (int i = 0; i < PNMIX_NUM_STATE; ++i) {
+    const int64_t bytes = pnmix::shape_bytes(L, i, pnmix::used_shape(L, i, total));
+    const bool key_side = i == PNMIX_SINK_K || i == PNMIX_RESIDUAL_K || i == PNMIX_KEY_CODES ||
+                          i == PNMIX_KEY_STEP || i == PNMIX_KEY_OFFSET || i == PNMIX_PAIR_MASK;
+    (key_side ? key_bytes : value_bytes) += bytes;
+  }
+  const pnmix::Lengths n = pnmix::lengths(config, total);
+  cudaDeviceProp prop{};
+  int device = 0;
+  cuda_check(cudaGetDevice(&device), "cudaGetDevice");
+  cuda_check(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
+  double decode_sum = 0.0;
+  for (double ms : decode_ms) decode_sum += ms;
+  const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall_began).count();
+  const double per_sequence = static_cast<double>(r.batch);
+  std::printf(
+      "{\n  \"engine\": \"%s\",\n  \"batch\": %lld,\n  \"prefill_tokens\": %lld,\n  \"decode_tokens\": %lld,\n"
+      "  \"metrics\": {\n    \"key_bytes\": %lld,\n    \"value_bytes\": %lld,\n    \"persistent_cache_bytes\": %lld,\n"
+      "    \"quantized_tokens\": %lld,\n    \"sink_tokens\": %lld,\n    \"residual_tokens\": %lld,\n"
+      "    \"key_bits_per_element_including_sink_residual\": %.15g,\n    \"saliency_computations\": 1,\n"
+      "    \"mask_unchanged_after_decode\": %s,\n    \"actual_attention_calls\": %lld,\n"
+      "    \"online_vs_final_cache_attention_max_delta\": %.9g\n  },\n"
+      "  \"timing_ms\": {\"prefill\": %.4f, \"decode_mean\": %.4f, \"decode_p50\": %.4f, \"decode_max\": %.4f},\n"
+      "  \"runtime\": {\"device_kind\": \"cuda\", \"accelerator_model\": \"%s\", \"elapsed_seconds\": %.4f}\n}\n",
+      args.engine.c_str(), (long long)r.batch, (long long)args.prefill, (long long)args.decode,
+      (long long)(key_bytes / r.batch), (long long)(value_bytes / r.batch),
+      (long long)((key_bytes + value_bytes) / r.batch), (long long)(n.groups * config.group_size),
+      (long long)n.sink, (long long)n.residual,
+      static_cast<double>(key_bytes) * 8.0 / per_sequence / static_cast<double>(total * L.kv_heads * L.head_dim),
+      mask_unchanged ? "true" : "false", (long long)calls, max_delta, prefill_ms,
+      decode_ms.empty() ? 0.0 : decode_sum / decode_ms.size(), percentile(decode_ms, 0.5),
+      decode_ms.empty() ? 0.0 : *std::max_element(decode_ms.begin(), decode_ms.end()), prop.name, elapsed);
+  cudaStreamDestroy(r.stream);
+  return mask_unchanged ? 0 : 1;
+}

@@ -1,0 +1,39 @@
+// plugins/trt/attention_plugin.h: PnMixAttention, attention of q over the packed cache and the new
+// tokens (a thin wrapper of pnmix_cuda_attend: the fused split decode-attention kernel).
+#ifndef PNMIX_TRT_ATTENTION_PLUGIN_H
+#define PNMIX_TRT_ATTENTION_PLUGIN_H
+
+#include "pnmix_plugin.h"
+
+namespace pnmix {
+namespace trt {
+
+class PnMixAttentionPlugin final : public PnMixPluginBase {
+ public:
+  static constexpr const char* kName = kAttentionPluginName;
+
+  PnMixAttentionPlugin(const pnmix_config& config, const char* layer) : PnMixPluginBase(config, layer, kAttentionIo) {}
+
+  nvinfer1::IPluginV3* clone() noexcept override;
+  const char* getPluginName() const noexcept override { return kName; }
+
+  int32_t getNbOutputs() const noexcept override { return 1; }
+  int32_t getOutputDataTypes(nvinfer1::DataType* outputTypes, int32_t nbOutputs, const nvinfer1::DataType* inputTypes,
+                             int32_t nbInputs) const noexcept override;
+  bool supportsFormatCombination(int32_t pos, const nvinfer1::DynamicPluginTensorDesc* inOut, int32_t nbInputs,
+                                 int32_t nbOutputs) noexcept override;
+  size_t getWorkspaceSize(const nvinfer1::DynamicPluginTensorDesc* inputs, int32_t nbInputs,
+                          const nvinfer1::DynamicPluginTensorDesc* outputs, int32_t nbOutputs) const noexcept override;
+  int32_t enqueue(const nvinfer1::PluginTensorDesc* inputDesc, const nvinfer1::PluginTensorDesc* outputDesc,
+                  const void* const* inputs, void* const* outputs, void* workspace,
+                  cudaStream_t stream) noexcept override;
+
+ protected:
+  bool output_dims(const nvinfer1::DimsExprs* inputs, int32_t nb_inputs, nvinfer1::DimsExprs* outputs,
+                   int32_t nb_outputs) const noexcept override;
+};
+
+}  // namespace trt
+}  // namespace pnmix
+
+#endif  // PNMIX_TRT_ATTENTION_PLUGIN_H

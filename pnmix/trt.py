@@ -1,0 +1,336 @@
+"""TensorRT: build an engine from the exported ONNX file with the pn-mix plugins (`pnmix build-engine`).
+
+TensorRT, a CUDA GPU and the plugin library are checked lazily and in that order; each missing
+piece is a one-line PnMixError (exit 2). What can be checked without them (the files, the flags,
+the ONNX model and its rewrite for TensorRT's parser) is checked first, so those errors show on any
+machine.
+
+Two rewrites make the exported file TensorRT's (``prepare_onnx``):
+
+* The local functions of ``PnMixAttention`` and ``PnMixAppend`` are dropped. TensorRT's ONNX parser
+  prefers a node's local function over a plugin of the same name, and the functions are there for
+  ONNX Runtime; without them the parser maps each node to our plugin (op type = plugin name,
+  ``plugin_version`` / ``plugin_namespace`` attributes, the config attributes as plugin fields).
+* ``PnMixAppend`` gets the attention output as a 16th input. The append updates the state in
+  place (the runtime binds ``present_<name>`` to the address of ``<name>``), so it must run after
+  the attention that reads the old state; nothing else in the graph orders the two. The plugin
+  ignores the extra input's data.
+
+The engine is strongly typed: tensor types are the ONNX file's (fp16 K/V and cache, INT8 codes, fp32
+attention), which keeps the fp16 K/V bit-identical to the reference. Two optimization profiles:
+0 = decode (n = 1), 1 = prefill and evaluation (n = 1 .. the largest prefill).
+The engine is refittable (the four weight tables can be swapped for another seed's). A sidecar
+``<plan>.json`` records what the engine was built from (config, capacity, batch, seed, profiles)
+for ``pnmix verify --engine`` and the C++ example.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from .errors import PnMixError
+
+PLUGIN_LIBRARY = "libpnmix_trt_plugins.so"
+ORDER_INPUT_NOTE = "ordering input: the append runs after the attention (its data is not read)"
+DECODE_PROFILE, PREFILL_PROFILE = 0, 1
+
+
+# ---------------------------------------------------------------------------------------
+# The environment: TensorRT, a GPU, the plugin library (each a one-line error when missing)
+# ---------------------------------------------------------------------------------------
+
+
+def import_tensorrt():
+    try:
+        import tensorrt  # noqa: PLC0415 (lazy on purpose: most machines have no TensorRT)
+    except ImportError as exc:
+        raise PnMixError(
+            f"TensorRT is not installed: `import tensorrt` fails ({exc}); install the TensorRT Python "
+            "package matching your CUDA (docs/TENSORRT.md)"
+        ) from None
+    return tensorrt
+
+
+def cuda_devices() -> Tuple[int, str]:
+    """(number of CUDA devices, why 0): asks the driver (libcuda) directly, so the answer does not
+    depend on which torch build is installed."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0, "no NVIDIA driver (libcuda.so.1 not found)"
+    status = driver.cuInit(0)
+    if status != 0:
+        return 0, f"the CUDA driver found no usable GPU (cuInit returned {status})"
+    count = ctypes.c_int(0)
+    status = driver.cuDeviceGetCount(ctypes.byref(count))
+    if status != 0 or count.value < 1:
+        return 0, "the CUDA driver reports no GPU"
+    return count.value, ""
+
+
+def require_gpu() -> None:
+    count, why = cuda_devices()
+    if count < 1:
+        raise PnMixError(f"no CUDA GPU: TensorRT builds and runs engines on a GPU; {why}")
+
+
+def check_plugin_path(plugins: Optional[Path]) -> Path:
+    if plugins is None:
+        raise PnMixError(f"the pn-mix plugin library is needed: pass --plugins path/to/{PLUGIN_LIBRARY}")
+    path = Path(plugins)
+    if not path.exists():
+        raise PnMixError(
+            f"plugin library not found: {path} (build it: cmake -S plugins -B build "
+            f"-DTENSORRT_INCLUDE_DIR=... && cmake --build build)"
+        )
+    if path.is_dir():
+        raise PnMixError(f"--plugins must be the {PLUGIN_LIBRARY} file, got a directory: {path}")
+    return path
+
+
+def load_plugins(trt, plugins: Path) -> None:
+    """Load the library into TensorRT's plugin registry and check both creators are there."""
+    from .export import ops
+
+    registry = trt.get_plugin_registry()
+    try:
+        handle = registry.load_library(str(Path(plugins).resolve()))
+    except Exception as exc:  # TensorRT raises plain RuntimeError/TypeError here
+        raise PnMixError(f"TensorRT cannot load the plugin library {plugins}: {exc}") from None
+    if handle is None:
+        raise PnMixError(f"TensorRT cannot load the plugin library {plugins} (see TensorRT's log above)")
+    for name in (ops.ATTENTION_OP, ops.APPEND_OP):
+        if registry.get_creator(name, ops.PLUGIN_VERSION, ops.PLUGIN_NAMESPACE) is None:
+            raise PnMixError(
+                f"{plugins} does not provide the plugin {name} version {ops.PLUGIN_VERSION} "
+                f"namespace '{ops.PLUGIN_NAMESPACE}'; is it libpnmix_trt_plugins of this pnmix?"
+            )
+
+
+# ---------------------------------------------------------------------------------------
+# The ONNX file, as TensorRT's parser should see it
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What an exported file says about itself (from its metadata and node attributes)."""
+
+    config: Any  # PnMixConfig
+    capacity: int
+    batch: int
+    seed: int
+
+
+def read_onnx(path: Path):
+    import onnx
+
+    path = Path(path)
+    if not path.exists():
+        raise PnMixError(f"ONNX model not found: {path}")
+    if path.is_dir():
+        raise PnMixError(f"ONNX model path is a directory: {path}")
+    try:
+        return onnx.load_model(str(path), load_external_data=False)
+    except Exception as exc:  # onnx raises DecodeError, ValueError, ... on garbage
+        raise PnMixError(f"{path} is not a readable ONNX model: {type(exc).__name__}: {exc}") from None
+
+
+def model_info(model) -> ModelInfo:
+    """Config, capacity, batch and seed of a pnmix export; errors say what is missing."""
+    from .export import ops
+
+    meta = {p.key: p.value for p in model.metadata_props}
+    if meta.get("pnmix.format_version") != "1":
+        raise PnMixError("the ONNX model is not a pnmix export (no pnmix.format_version 1 metadata); "
+                         "make it with `pnmix export`")
+    nodes = {node.op_type: node for node in model.graph.node if node.domain == ops.DOMAIN}
+    for op in (ops.ATTENTION_OP, ops.APPEND_OP):
+        if op not in nodes:
+            raise PnMixError(f"the ONNX model has no {op} node in domain '{ops.DOMAIN}'")
+    config = ops.config_from_attributes(nodes[ops.ATTENTION_OP])
+    if ops.config_from_attributes(nodes[ops.APPEND_OP]) != config:
+        raise PnMixError(f"the ONNX model's {ops.ATTENTION_OP} and {ops.APPEND_OP} nodes carry different configs")
+    try:
+        capacity, batch, seed = (int(meta[f"pnmix.{key}"]) for key in ("max_seq_len", "batch", "seed"))
+    except (KeyError, ValueError):
+        raise PnMixError("the ONNX model's pnmix metadata lacks max_seq_len, batch or seed") from None
+    return ModelInfo(config, capacity, batch, seed)
+
+
+def prepare_onnx(model):
+    """The model TensorRT's parser gets: no pn-mix local functions, append ordered after attention."""
+    import onnx
+
+    from .export import ops
+
+    prepared = onnx.ModelProto()
+    prepared.CopyFrom(model)
+    ours = {ops.ATTENTION_OP, ops.APPEND_OP}
+    kept = [f for f in prepared.functions if not (f.domain == ops.DOMAIN and f.name in ours)]
+    del prepared.functions[:]
+    prepared.functions.extend(kept)
+    attention = [n for n in prepared.graph.node if n.domain == ops.DOMAIN and n.op_type == ops.ATTENTION_OP]
+    appends = [n for n in prepared.graph.node if n.domain == ops.DOMAIN and n.op_type == ops.APPEND_OP]
+    if len(attention) != 1 or len(appends) != 1:
+        raise PnMixError(f"expected one {ops.ATTENTION_OP} and one {ops.APPEND_OP} node, found "
+                         f"{len(attention)} and {len(appends)}")
+    append = appends[0]
+    if len(append.input) != len(ops.APPEND_INPUTS):
+        raise PnMixError(f"{ops.APPEND_OP} has {len(append.input)} inputs, expected {len(ops.APPEND_INPUTS)}")
+    append.input.append(attention[0].output[0])
+    # The node list must stay topologically sorted: the append now reads the attention output.
+    nodes = list(prepared.graph.node)
+    nodes.remove(append)
+    nodes.insert(nodes.index(attention[0]) + 1, append)
+    del prepared.graph.node[:]
+    prepared.graph.node.extend(nodes)
+    return prepared
+
+
+# ---------------------------------------------------------------------------------------
+# The build
+# ---------------------------------------------------------------------------------------
+
+
+class _Logger:
+    """A TensorRT logger that keeps the last error, for a one-line failure message."""
+
+    def __init__(self, trt):
+        base = trt.ILogger
+
+        class Logger(base):  # type: ignore[misc, valid-type]
+            def __init__(self):
+                base.__init__(self)
+                self.last_error = ""
+
+            def log(self, severity, msg):
+                level = int(severity)  # INTERNAL_ERROR 0, ERROR 1, WARNING 2, INFO 3, VERBOSE 4
+                if level <= int(trt.ILogger.Severity.ERROR):
+                    self.last_error = " ".join(str(msg).split())
+                if level <= int(trt.ILogger.Severity.WARNING):
+                    print(f"[TensorRT] {msg}")
+
+        self.logger = Logger()
+
+
+def _network_flags(trt) -> int:
+    # TensorRT 11 is always strongly typed (the flag is deprecated and ignored); TensorRT 10 needs it.
+    flag = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
+    return 0 if flag is None else 1 << int(flag)
+
+
+def _precision_note(fp16: bool, bf16: bool) -> str:
+    if fp16 and bf16:
+        raise PnMixError("give at most one of --fp16 and --bf16")
+    if bf16:
+        raise PnMixError(
+            "--bf16: a pn-mix engine is strongly typed and keeps the ONNX file's types, whose K/V and "
+            "cache are fp16 (docs/FORMAT.md); there is no bf16 pn-mix export"
+        )
+    return "fp16 K/V and cache, fp32 attention (strongly typed, from the ONNX file)"
+
+
+def profile_shapes(capacity: int, batch: int, max_prefill: Optional[int]) -> List[Dict[str, Tuple[Tuple[int, ...], ...]]]:
+    """(min, opt, max) of ``tokens`` per profile: decode n = 1, prefill n = 1 .. max_prefill."""
+    largest = capacity if max_prefill is None else max_prefill
+    if isinstance(largest, bool) or not isinstance(largest, int) or largest < 1:
+        raise PnMixError(f"--max-seq-len must be a positive integer, got {largest!r}")
+    if largest > capacity:
+        raise PnMixError(f"--max-seq-len {largest} exceeds the model's cache capacity {capacity} (its export's --max-seq-len)")
+    decode = {"tokens": ((batch, 1), (batch, 1), (batch, 1))}
+    prefill = {"tokens": ((batch, 1), (batch, max(1, largest // 2)), (batch, largest))}
+    return [decode, prefill]
+
+
+def _add_profiles(trt, builder, network, config, shapes, capacity: int) -> None:
+    for wanted in shapes:
+        profile = builder.create_optimization_profile()
+        for i in range(network.num_inputs):
+            tensor = network.get_input(i)
+            if tensor.name in wanted:
+                profile.set_shape(tensor.name, *wanted[tensor.name])
+            elif tensor.is_shape_tensor:  # seq_len / new_len, should TensorRT make them shape inputs
+                profile.set_shape_input(tensor.name, [0], [0], [capacity])
+        config.add_optimization_profile(profile)
+
+
+def build_engine(model: Path, plugins: Path, output: Path, fp16: bool = False, bf16: bool = False,
+                 max_seq_len: Optional[int] = None) -> Dict[str, Any]:
+    """Build and write the engine and its sidecar; returns the sidecar's content."""
+    from .io import write_bytes_atomic, write_json_atomic
+
+    plugins = check_plugin_path(plugins)
+    precision = _precision_note(fp16, bf16)
+    onnx_model = read_onnx(model)
+    info = model_info(onnx_model)
+    shapes = profile_shapes(info.capacity, info.batch, max_seq_len)
+    prepared = prepare_onnx(onnx_model).SerializeToString()
+
+    trt = import_tensorrt()
+    require_gpu()
+    load_plugins(trt, plugins)
+    log = _Logger(trt).logger
+    builder = trt.Builder(log)
+    network = builder.create_network(_network_flags(trt))
+    parser = trt.OnnxParser(network, log)
+    if not parser.parse(prepared):
+        first = parser.get_error(0) if parser.num_errors else None
+        reason = first.desc() if first is not None else log.last_error or "unknown parser error"
+        raise PnMixError(f"TensorRT's ONNX parser rejects {model}: {' '.join(str(reason).split())}")
+    config = builder.create_builder_config()
+    # Refittable, so that `pnmix verify --engine` can run every seed's weights through one engine.
+    config.set_flag(trt.BuilderFlag.REFIT)
+    _add_profiles(trt, builder, network, config, shapes, info.capacity)
+    serialized = builder.build_serialized_network(network, config)
+    if serialized is None:
+        raise PnMixError(f"TensorRT could not build the engine: {log.last_error or 'see the log above'}")
+    write_bytes_atomic(output, bytes(serialized))
+    sidecar = {
+        "format": "pnmix-engine-1",
+        "tensorrt_version": trt.__version__,
+        "onnx": str(Path(model).resolve()),
+        "plugins": str(Path(plugins).resolve()),
+        "config": info.config.to_dict(),
+        "capacity": info.capacity,
+        "batch": info.batch,
+        "seed": info.seed,
+        "precision": precision,
+        "refittable": True,
+        "profiles": {"decode": DECODE_PROFILE, "prefill": PREFILL_PROFILE,
+                     "max_prefill": shapes[PREFILL_PROFILE]["tokens"][2][1]},
+    }
+    write_json_atomic(sidecar_path(output), sidecar)
+    return sidecar
+
+
+def sidecar_path(plan: Path) -> Path:
+    plan = Path(plan)
+    return plan.with_name(plan.name + ".json")
+
+
+def read_sidecar(plan: Path) -> Dict[str, Any]:
+    path = sidecar_path(plan)
+    if not path.exists():
+        raise PnMixError(f"engine description not found: {path} (written by `pnmix build-engine` next to the plan)")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PnMixError(f"cannot read the engine description {path}: {exc}") from None
+    if not isinstance(data, dict) or data.get("format") != "pnmix-engine-1":
+        raise PnMixError(f"{path} is not a pnmix engine description")
+    return data
+
+
+def build_engine_command(model: Path, plugins: Path, output: Path, fp16: bool = False, bf16: bool = False,
+                         max_seq_len: Optional[int] = None) -> int:
+    """`pnmix build-engine`: returns the exit code (errors are PnMixError, exit 2)."""
+    sidecar = build_engine(model, plugins, output, fp16, bf16, max_seq_len)
+    print(f"wrote {output} (TensorRT {sidecar['tensorrt_version']}, capacity {sidecar['capacity']} tokens, "
+          f"batch {sidecar['batch']}, prefill up to {sidecar['profiles']['max_prefill']} tokens, "
+          f"{sidecar['precision']}) and {sidecar_path(output)}")
+    return 0
