@@ -1,0 +1,139 @@
+"""`pnmix bench onnx`: export time, file size and the time of one decode step through ONNX
+Runtime (CPU) against the PyTorch reference backend, on the same packed cache.
+
+Both sides run the whole model step (q/k/v, attention over the packed cache, append with
+flush) from the same cache of ``context`` tokens; the state is restored before every timed
+step, so each repetition does the same work.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from pnmix.errors import PnMixError
+
+
+def _median_ms(samples: List[float]) -> float:
+    return statistics.median(samples) * 1e3
+
+
+def bench(max_seq_len: int = 4096, context: Optional[int] = None, repeats: int = 20,
+          model: Optional[Path] = None, seed: int = 42) -> Dict[str, Any]:
+    from pnmix.backends.base import OpsBackend
+    from pnmix.backends.onnx_backend import OnnxBackend
+    from pnmix.backends.torch_ops import TorchOps
+    from pnmix.config import run_config
+    from pnmix.dataset import protocol_tokens
+    from pnmix.manifest import load_manifest
+
+    from .exporter import export_onnx
+    from .modelfile import load_checked
+
+    if repeats < 1:
+        raise PnMixError(f"--repeats must be >= 1, got {repeats}")
+    config = run_config(load_manifest()).config
+    with tempfile.TemporaryDirectory(prefix="pnmix-bench-") as folder:
+        export_seconds: Optional[float] = None
+        if model is None:
+            result = export_onnx(Path(folder) / "model.onnx", config, max_seq_len=max_seq_len, seed=seed)
+            model, export_seconds = result.path, result.seconds
+        info = load_checked(model)[1]
+        config, capacity = info.config, info.max_seq_len
+        context = capacity - 1 if context is None else context
+        if not 1 <= context < capacity:
+            raise PnMixError(f"--context must be 1..{capacity - 1} (the model holds {capacity} tokens), got {context}")
+        tokens = protocol_tokens(context + 1)
+        step_token = tokens[:, context:context + 1]
+
+        reference = OpsBackend(TorchOps(), config, info.seed, capacity)
+        reference.step(tokens[:, :context], 0, write=True)  # fill the cache once (not timed)
+        layout, filled, _ = reference.state()
+        saved = {name: t.clone() for name, t in filled.items()}
+
+        onnx_backend = OnnxBackend(config, info.seed, capacity, model=model)
+        # Wall time, and the process's CPU time (all threads): on a shared machine the second
+        # says what a step costs when the wall clock also counts waiting for a core.
+        onnx_times, torch_times, onnx_cpu, torch_cpu = [], [], [], []
+        for _ in range(repeats + 1):  # the first round warms both up and is dropped
+            onnx_backend.load_state(saved, context)
+            began, cpu = time.perf_counter(), time.process_time()
+            onnx_backend.step(step_token, context, write=True)
+            onnx_times.append(time.perf_counter() - began)
+            onnx_cpu.append(time.process_time() - cpu)
+            reference.cache.import_state(saved, context)
+            began, cpu = time.perf_counter(), time.process_time()
+            reference.step(step_token, context, write=True)
+            torch_times.append(time.perf_counter() - began)
+            torch_cpu.append(time.process_time() - cpu)
+        _, onnx_state, _ = onnx_backend.state()
+        _, torch_state, _ = reference.state()
+        from pnmix.format import dump_state
+
+        identical = dump_state(onnx_backend.layout, onnx_state, context + 1) == dump_state(layout, torch_state, context + 1)
+        return {
+            "model": str(model) if export_seconds is None else None,
+            "max_seq_len": capacity,
+            "context": context,
+            "repeats": repeats,
+            "export_seconds": export_seconds,
+            "file_bytes": Path(model).stat().st_size,
+            "onnxruntime_ms_per_decode_step": _median_ms(onnx_times[1:]),
+            "torch_reference_ms_per_decode_step": _median_ms(torch_times[1:]),
+            "onnxruntime_over_torch": _median_ms(onnx_times[1:]) / _median_ms(torch_times[1:]),
+            "onnxruntime_cpu_ms_per_decode_step": _median_ms(onnx_cpu[1:]),
+            "torch_reference_cpu_ms_per_decode_step": _median_ms(torch_cpu[1:]),
+            "load_average_1min": _load_average(),
+            "packed_bytes_identical_after_step": identical,
+            "threads": torch.get_num_threads(),
+            "onnxruntime_version": _ort_version(),
+            "config": config.to_dict(),
+        }
+
+
+def _load_average() -> Optional[float]:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def _ort_version() -> str:
+    import onnxruntime
+
+    return onnxruntime.__version__
+
+
+def bench_command(max_seq_len: int, context: Optional[int], repeats: int, model: Optional[Path],
+                  json_path: Optional[Path]) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    report = bench(max_seq_len, context, repeats, model)
+    table = Table(title=f"pnmix bench onnx: decode step at context {report['context']} "
+                        f"(capacity {report['max_seq_len']}), median of {report['repeats']}")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    export = report["export_seconds"]
+    table.add_row("export time", "-" if export is None else f"{export:.3f} s")
+    table.add_row("file size", f"{report['file_bytes']:,} bytes")
+    table.add_row("ONNX Runtime CPU, per decode step", f"{report['onnxruntime_ms_per_decode_step']:.3f} ms")
+    table.add_row("PyTorch reference, per decode step", f"{report['torch_reference_ms_per_decode_step']:.3f} ms")
+    table.add_row("ONNX Runtime / reference", f"{report['onnxruntime_over_torch']:.2f}x")
+    table.add_row("CPU time per step: ONNX Runtime / reference",
+                  f"{report['onnxruntime_cpu_ms_per_decode_step']:.3f} / {report['torch_reference_cpu_ms_per_decode_step']:.3f} ms")
+    if report["load_average_1min"] is not None:
+        table.add_row("load average (1 min) after the run", f"{report['load_average_1min']:.1f}")
+    table.add_row("packed bytes identical after the step", str(report["packed_bytes_identical_after_step"]))
+    Console().print(table)
+    if json_path is not None:
+        from pnmix.io import write_json_atomic
+
+        write_json_atomic(json_path, report)
+    return 0 if report["packed_bytes_identical_after_step"] else 1

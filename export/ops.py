@@ -1,0 +1,611 @@
+"""The two pn-mix custom ops: names, attributes and their ONNX local-function bodies.
+
+``PnMixAttention`` (attention of q over the packed cache plus new fp16 K/V) runs BEFORE
+``PnMixAppend`` (quantize/append the new K/V into the packed state, with flush and the pair
+mask on the first append). Both live in domain ``pnmix``; TensorRT maps them to plugins of the
+same names, ONNX Runtime inlines the local functions shipped in the file.
+
+The attributes are the config fields of ``pnmix.config.CONFIG_FIELDS`` under their own names
+plus ``plugin_version`` and ``plugin_namespace``: ``op_attributes()`` is the one table; the
+TensorRT plugins check their field list against ``export/pnmix_ops.json``, generated from it
+(``python3 -m pnmix.export.ops --write``; a test keeps it current).
+
+The function bodies use only standard ops (no BitShift/BitwiseAnd: bits come out with integer
+Div, Mul and Sub) and follow pnmix/quant.py's bit-exact rules, so the packed bytes equal
+``pnmix.cache.append_reference`` byte for byte. A body is generated for the config written in
+the node's attributes (shapes such as the group size are part of the body); the exporter writes
+both from the same config.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Sequence, Tuple
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from pnmix.config import CONFIG_FIELDS, PnMixConfig
+from pnmix.errors import PnMixError
+from pnmix.format import STATE_NAMES, CacheLayout, channel_pairs
+from pnmix.model import pair_channels
+
+DOMAIN = "pnmix"
+DOMAIN_VERSION = 1
+ATTENTION_OP = "PnMixAttention"
+APPEND_OP = "PnMixAppend"
+PLUGIN_VERSION = "1"
+PLUGIN_NAMESPACE = ""
+TABLE_JSON = Path(__file__).with_name("pnmix_ops.json")
+
+# ONNX element types of the state tensors: codes and mask are INT8 (same bytes as uint8).
+STATE_ONNX_TYPES: Dict[str, int] = {
+    name: TensorProto.INT8 if name in ("key_codes", "value_codes", "pair_mask") else TensorProto.FLOAT16
+    for name in STATE_NAMES
+}
+LENGTH_INPUTS = ("seq_len", "new_len")
+ATTENTION_INPUTS = ("q", "k_new", "v_new") + LENGTH_INPUTS + STATE_NAMES
+ATTENTION_OUTPUTS = ("attention",)
+APPEND_INPUTS = ("k_new", "v_new") + LENGTH_INPUTS + STATE_NAMES
+APPEND_OUTPUTS = tuple(f"present_{name}" for name in STATE_NAMES)
+
+_ATTR_KIND = {float: ("float", onnx.AttributeProto.FLOAT), int: ("int", onnx.AttributeProto.INT),
+              str: ("string", onnx.AttributeProto.STRING)}
+
+
+# ---------------------------------------------------------------------------------------
+# The attribute table (one place; the plugins read the generated JSON)
+# ---------------------------------------------------------------------------------------
+
+
+def op_attributes() -> List[Dict[str, str]]:
+    """[{name, type, config_field}] for every attribute of both ops, in a fixed order."""
+    defaults = PnMixConfig()
+    rows = []
+    for field in CONFIG_FIELDS:
+        kind = _ATTR_KIND[type(getattr(defaults, field))][0]
+        rows.append({"name": field, "type": kind, "config_field": field})
+    rows.append({"name": "plugin_version", "type": "string", "config_field": ""})
+    rows.append({"name": "plugin_namespace", "type": "string", "config_field": ""})
+    return rows
+
+
+def op_table() -> Dict[str, Any]:
+    """The whole contract the TensorRT plugins share with the exporter (pnmix_ops.json)."""
+    return {
+        "domain": DOMAIN,
+        "domain_version": DOMAIN_VERSION,
+        "plugin_version": PLUGIN_VERSION,
+        "plugin_namespace": PLUGIN_NAMESPACE,
+        "attributes": op_attributes(),
+        "ops": {
+            ATTENTION_OP: {"inputs": list(ATTENTION_INPUTS), "outputs": list(ATTENTION_OUTPUTS)},
+            APPEND_OP: {"inputs": list(APPEND_INPUTS), "outputs": list(APPEND_OUTPUTS)},
+        },
+        "state_types": {name: onnx.helper.tensor_dtype_to_string(t).replace("TensorProto.", "")
+                        for name, t in STATE_ONNX_TYPES.items()},
+    }
+
+
+def fp32_ratio(config: PnMixConfig) -> float:
+    """high_ratio as the FLOAT attribute carries it; the exporter refuses a config whose n_high
+    would change through that rounding (a plugin computes n_high from the attribute)."""
+    return float(np.float32(config.high_ratio))
+
+
+def node_attributes(config: PnMixConfig) -> Dict[str, Any]:
+    values: Dict[str, Any] = {}
+    for row in op_attributes():
+        name = row["name"]
+        if name == "plugin_version":
+            values[name] = PLUGIN_VERSION
+        elif name == "plugin_namespace":
+            values[name] = PLUGIN_NAMESPACE
+        elif name == "high_ratio":
+            values[name] = fp32_ratio(config)
+        else:
+            values[name] = getattr(config, name)
+    return values
+
+
+def config_from_attributes(node: onnx.NodeProto) -> PnMixConfig:
+    """The PnMixConfig a pn-mix node's attributes describe (errors name the attribute)."""
+    given = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    fields = {}
+    for row in op_attributes():
+        name = row["name"]
+        if name not in given:
+            raise PnMixError(f"ONNX node {node.op_type} has no attribute '{name}'")
+        value = given[name]
+        if isinstance(value, bytes):
+            value = value.decode("utf-8", "replace")
+        if row["config_field"]:
+            fields[name] = value
+        elif name == "plugin_version" and value != PLUGIN_VERSION:
+            raise PnMixError(f"ONNX node {node.op_type} has plugin_version {value!r}, this pnmix reads {PLUGIN_VERSION!r}")
+    return PnMixConfig.from_mapping(fields)
+
+
+# ---------------------------------------------------------------------------------------
+# A tiny builder for function bodies
+# ---------------------------------------------------------------------------------------
+
+
+class Body:
+    """Collects nodes with unique output names; ``op`` returns the output name(s)."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        self.nodes: List[onnx.NodeProto] = []
+        self._count = 0
+
+    def _name(self, hint: str) -> str:
+        self._count += 1
+        return f"{self.prefix}_{hint}_{self._count}"
+
+    def op(self, op_type: str, *inputs: str, outputs: int = 1, name: str = "", **attrs: Any):
+        outs = [self._name(name or op_type.lower()) for _ in range(outputs)]
+        self.nodes.append(helper.make_node(op_type, list(inputs), outs, **attrs))
+        return outs[0] if outputs == 1 else outs
+
+    def const(self, value: Any, dtype: Any = np.int64, name: str = "c") -> str:
+        array = np.asarray(value, dtype=dtype)
+        return self.op("Constant", name=name, value=numpy_helper.from_array(array))
+
+    def output(self, source: str, target: str) -> None:
+        self.nodes.append(helper.make_node("Identity", [source], [target]))
+
+    # small conveniences (named after the ONNX op they emit)
+    def cast(self, x: str, to: int) -> str:
+        return self.op("Cast", x, to=to)
+
+    def where(self, cond: str, a: str, b: str) -> str:
+        return self.op("Where", cond, a, b)
+
+    def and_(self, a: str, b: str) -> str:
+        return self.op("And", a, b)
+
+    def mod(self, a: str, m: str) -> str:
+        """a % m for non-negative integers as a - (a / m) * m: ONNX Runtime's integer Mod is an
+        element-by-element loop, an order of magnitude slower than Div on the unpack path."""
+        return self.op("Sub", a, self.op("Mul", self.op("Div", a, m), m))
+
+    def shape_of(self, *parts: str) -> str:
+        """Concat 1-D int64 pieces into a shape."""
+        return self.op("Concat", *parts, axis=0)
+
+
+def _scalar_lengths(b: Body, n_tokens: str, cfg: PnMixConfig) -> Tuple[str, str, str]:
+    """(n_sink, n_groups, n_residual) of a cache of n_tokens (int64 scalar): FORMAT.md section 2."""
+    sink = b.op("Min", n_tokens, b.const(cfg.sink_tokens))
+    rest = b.op("Sub", n_tokens, sink)
+    over = b.op("Max", b.op("Sub", rest, b.const(cfg.residual_size)), b.const(0))
+    full = b.op("Add", b.op("Div", over, b.const(cfg.group_size)), b.const(1))
+    groups = b.where(b.op("GreaterOrEqual", rest, b.const(cfg.residual_size)), full, b.const(0))
+    residual = b.op("Sub", rest, b.op("Mul", groups, b.const(cfg.group_size)))
+    return sink, groups, residual
+
+
+def _unsigned(b: Body, codes_int8: str) -> str:
+    """INT8 bytes -> int32 0..255 (two's complement read back)."""
+    x = b.cast(codes_int8, TensorProto.INT32)
+    return b.where(b.op("Less", x, b.const(0, np.int32)), b.op("Add", x, b.const(256, np.int32)), x)
+
+
+def _to_int8(b: Body, byte_values: str) -> str:
+    """int32 0..255 -> INT8 with the same bits (explicit, no reliance on a wrapping Cast)."""
+    wrapped = b.where(b.op("GreaterOrEqual", byte_values, b.const(128, np.int32)),
+                      b.op("Sub", byte_values, b.const(256, np.int32)), byte_values)
+    return b.cast(wrapped, TensorProto.INT8)
+
+
+def _bits_to_bytes(b: Body, bits: str, shape_bytes: str) -> str:
+    """int32 0/1 bits [..., 8*K] (LSB first) -> int32 byte values [..., K]."""
+    grouped = b.op("Reshape", bits, shape_bytes)  # [..., K, 8]
+    weighted = b.op("Mul", grouped, b.const([1 << j for j in range(8)], np.int32))
+    return b.op("ReduceSum", weighted, b.const([-1]), keepdims=0)
+
+
+def _code_bit(b: Body, code: str, bit_index: str) -> str:
+    """bit i of an int32 code: (code / 2^i) % 2, integer arithmetic only."""
+    pow2 = b.op("Gather", b.const([1 << j for j in range(8)], np.int32), bit_index)
+    return b.mod(b.op("Div", code, pow2), b.const(2, np.int32))
+
+
+def _pair_high(b: Body, pair_mask: str, layout: CacheLayout) -> str:
+    """pair_mask INT8 [B, MB] -> bool [B, H, D]: whether each channel's pair is high."""
+    h, p, d = layout.kv_heads, layout.pairs, layout.head_dim
+    mask = _unsigned(b, pair_mask)
+    k = np.arange(h * p)
+    byte = b.op("Gather", mask, b.const(k // 8), axis=1)  # [B, H*P]
+    bit = _code_bit(b, byte, b.const(k % 8))
+    high_pairs = b.op("Reshape", bit, b.const([layout.batch, h, p]))
+    pair_of = channel_pairs(d, layout.config.pair_layout).numpy()
+    high_channels = b.op("Gather", high_pairs, b.const(pair_of), axis=2)  # [B, H, D]
+    return b.op("Equal", high_channels, b.const(1, np.int32))
+
+
+def _channel_bits(b: Body, high: str, cfg: PnMixConfig) -> str:
+    """bool [B, H, D] -> int32 key bits per channel."""
+    return b.where(high, b.const(cfg.key_high_bits, np.int32), b.const(cfg.key_low_bits, np.int32))
+
+
+def _channel_start_bits(b: Body, bits: str, layout: CacheLayout) -> str:
+    """int32 [B, H, D] bits -> stream bit where each channel's codes start in a key group:
+    gs * sum(bits of the channels before it), as a masked sum (no CumSum needed)."""
+    d = layout.head_dim
+    before = (np.arange(d)[None, :] < np.arange(d)[:, None]).astype(np.int32)  # [c, c']
+    spread = b.op("Mul", b.op("Unsqueeze", bits, b.const([2])), b.const(before, np.int32))
+    total = b.op("ReduceSum", spread, b.const([-1]), keepdims=0)  # [B, H, D]
+    return b.op("Mul", total, b.const(layout.config.group_size, np.int32))
+
+
+# ---------------------------------------------------------------------------------------
+# Affine fit and quantize (pnmix/quant.py's rules)
+# ---------------------------------------------------------------------------------------
+
+
+def _clip_fp16_range(b: Body, x32: str) -> str:
+    """Saturating fp16 is Clip then Cast; this is the Clip (see _fit)."""
+    return b.op("Clip", x32, b.const(-65504.0, np.float32), b.const(65504.0, np.float32))
+
+
+def _fit(b: Body, x32: str, bits: int, axis: int, count: int) -> Tuple[str, str]:
+    """(step, offset) over ``axis`` (kept, size 1) of fp32 values x32, as fp32 values clipped
+    to the fp16 range but not yet rounded: callers select between fits in fp32 and then cast
+    once (ONNX Runtime has no fp16 Where on CPU; around one it inserts casts and then drops
+    the fp16 rounding as a redundant cast pair)."""
+    axes = b.const([axis])
+    if bits >= 2:
+        lo = b.op("ReduceMin", x32, axes, keepdims=1)
+        hi = b.op("ReduceMax", x32, axes, keepdims=1)
+        step = b.op("Div", b.op("Sub", hi, lo), b.const(float(2 ** bits - 1), np.float32))
+        return _clip_fp16_range(b, step), _clip_fp16_range(b, lo)
+    x64 = b.cast(x32, TensorProto.DOUBLE)
+    n = b.const(float(count), np.float64)
+    mu = b.cast(b.op("Div", b.op("ReduceSum", x64, axes, keepdims=1), n), TensorProto.FLOAT)
+    spread = b.cast(b.op("Abs", b.op("Sub", x32, mu)), TensorProto.DOUBLE)
+    a = b.cast(b.op("Div", b.op("ReduceSum", spread, axes, keepdims=1), n), TensorProto.FLOAT)
+    step = b.op("Mul", b.const(2.0, np.float32), a)
+    return _clip_fp16_range(b, step), _clip_fp16_range(b, b.op("Sub", mu, a))
+
+
+def _quantize(b: Body, x32: str, step16: str, offset16: str, max_code: str) -> str:
+    """int32 codes: clamp(round_half_even(fp32(x - offset) / step), 0, max), 0 where step == 0."""
+    step = b.cast(step16, TensorProto.FLOAT)
+    offset = b.cast(offset16, TensorProto.FLOAT)
+    q = b.op("Round", b.op("Div", b.op("Sub", x32, offset), step))
+    q = b.op("Min", b.op("Max", q, b.const(0.0, np.float32)), max_code)
+    q = b.where(b.op("Equal", step, b.const(0.0, np.float32)), b.const(0.0, np.float32), q)
+    return b.cast(q, TensorProto.INT32)
+
+
+# ---------------------------------------------------------------------------------------
+# PnMixAttention
+# ---------------------------------------------------------------------------------------
+
+
+def attention_function(layout: CacheLayout, q_heads: int, opset: int) -> onnx.FunctionProto:
+    cfg = layout.config
+    bsz, h, d, gs = layout.batch, layout.kv_heads, layout.head_dim, cfg.group_size
+    s, r = cfg.sink_tokens, cfg.residual_size
+    rep = q_heads // h
+    b = Body("att")
+    seq_len, new_len = "seq_len", "new_len"
+    n_sink, n_groups, n_residual = _scalar_lengths(b, seq_len, cfg)
+
+    # Keys and values of the cache, dense fp32 [B, H, slots, D] in cache order, and for every
+    # slot its position and whether it holds a token.
+    # Only the n_groups group slots in use are unpacked: the work follows the context, not the
+    # capacity.
+    ng1 = b.op("Unsqueeze", n_groups, b.const([0]))
+    used = {name: b.op("Slice", name, b.const([0]), ng1, b.const([2]))
+            for name in ("key_codes", "key_step", "key_offset", "value_codes", "value_step", "value_offset")}
+    high = _pair_high(b, "pair_mask", layout)
+    key_bits = _channel_bits(b, high, cfg)  # [B, H, D]
+    keys_g = _dequantize_keys(b, layout, key_bits, high, used, ng1)
+    values_g = _dequantize_values(b, layout, used, ng1)
+    f32 = TensorProto.FLOAT
+    keys = b.op("Concat", b.cast("sink_k", f32), keys_g, b.cast("residual_k", f32),
+                b.cast("k_new", f32), axis=2)
+    values = b.op("Concat", b.cast("sink_v", f32), values_g, b.cast("residual_v", f32),
+                  b.cast("v_new", f32), axis=2)
+
+    n = b.op("Gather", b.op("Shape", "k_new"), b.const(2), axis=0)  # scalar
+    sink_slot = b.const(np.arange(s))
+    group_slot = b.op("Range", b.const(0), b.op("Mul", n_groups, b.const(gs)), b.const(1))
+    residual_slot = b.const(np.arange(r))
+    new_slot = b.op("Range", b.const(0), n, b.const(1))
+    valid = b.op("Concat",
+                 b.op("Less", sink_slot, n_sink),
+                 b.op("Less", b.op("Div", group_slot, b.const(gs)), n_groups),
+                 b.op("Less", residual_slot, n_residual),
+                 b.op("Less", new_slot, new_len), axis=0)
+    residual_base = b.op("Add", b.const(s), b.op("Mul", n_groups, b.const(gs)))
+    position = b.op("Concat", sink_slot, b.op("Add", group_slot, b.const(s)),
+                    b.op("Add", residual_slot, residual_base), b.op("Add", new_slot, seq_len), axis=0)
+    # Query i sits at seq_len + new_len - n + i and sees valid slots at positions <= its own.
+    first_query = b.op("Sub", b.op("Add", seq_len, new_len), n)
+    query_pos = b.op("Unsqueeze", b.op("Add", new_slot, first_query), b.const([1]))  # [n, 1]
+    allowed = b.and_(b.op("Unsqueeze", valid, b.const([0])),
+                     b.op("LessOrEqual", b.op("Unsqueeze", position, b.const([0])), query_pos))
+
+    # GQA: query head hq = kv_head * rep + j reads kv_head.
+    q = b.op("Reshape", b.cast("q", f32), b.shape_of(b.const([bsz, h, rep]), b.op("Unsqueeze", n, b.const([0])), b.const([d])))
+    keys5 = b.op("Unsqueeze", keys, b.const([2]))  # [B, H, 1, T, D]
+    scores = b.op("MatMul", q, b.op("Transpose", keys5, perm=[0, 1, 2, 4, 3]))
+    scores = b.op("Mul", scores, b.const(1.0 / math.sqrt(d), np.float32))
+    scores = b.where(allowed, scores, b.const(-np.inf, np.float32))
+    probs = b.op("Softmax", scores, axis=-1)
+    # Unused slots may hold anything (even NaN): zero them so 0 * garbage cannot leak in.
+    valid_rows = b.op("Unsqueeze", valid, b.const([1]))  # [T, 1]
+    values = b.where(valid_rows, values, b.const(0.0, np.float32))
+    out = b.op("MatMul", probs, b.op("Unsqueeze", values, b.const([2])))  # [B, H, rep, n, D]
+    out = b.op("Reshape", out, b.shape_of(b.const([bsz, q_heads]), b.op("Unsqueeze", n, b.const([0])), b.const([d])))
+    b.output(out, "attention")
+    return _function(ATTENTION_OP, ATTENTION_INPUTS, ATTENTION_OUTPUTS, b, opset)
+
+
+def _dequantize_keys(b: Body, layout: CacheLayout, key_bits: str, high: str, used: Dict[str, str], ng1: str) -> str:
+    """The used groups' key_codes/step/offset [B, H, ng, ...] -> fp32 [B, H, ng*gs, D]."""
+    cfg = layout.config
+    bsz, h, d, gs = layout.batch, layout.kv_heads, layout.head_dim, cfg.group_size
+    start = _channel_start_bits(b, key_bits, layout)  # [B, H, D]
+    token = b.const(np.arange(gs, dtype=np.int32)[None, None, None, :], np.int32)
+    bit = b.op("Add", b.op("Unsqueeze", start, b.const([3])),
+               b.op("Mul", token, b.op("Unsqueeze", key_bits, b.const([3]))))  # [B, H, D, gs]
+    modulus = b.where(high, b.const(1 << cfg.key_high_bits, np.int32), b.const(1 << cfg.key_low_bits, np.int32))
+    modulus = b.op("Expand", b.op("Unsqueeze", modulus, b.const([3])), b.const([bsz, h, d, gs]))
+    full = b.shape_of(b.const([bsz, h]), ng1, b.const([d * gs]))
+    codes = _gather_codes(b, used["key_codes"], bit, modulus, [bsz, h, 1, d * gs], full, ng1,
+                          straddles=_straddles(cfg.key_high_bits, cfg.key_low_bits))
+    codes = b.op("Reshape", codes, b.shape_of(b.const([bsz, h]), ng1, b.const([d, gs])))
+    step = b.op("Unsqueeze", b.cast(used["key_step"], TensorProto.FLOAT), b.const([4]))
+    offset = b.op("Unsqueeze", b.cast(used["key_offset"], TensorProto.FLOAT), b.const([4]))
+    deq = b.op("Add", offset, b.op("Mul", step, b.cast(codes, TensorProto.FLOAT)))  # [B,H,ng,D,gs]
+    deq = b.op("Transpose", deq, perm=[0, 1, 2, 4, 3])
+    tokens = b.op("Mul", ng1, b.const([gs]))  # no -1: the shape must be exact when ng is 0
+    return b.op("Reshape", deq, b.shape_of(b.const([bsz, h]), tokens, b.const([d])))
+
+
+def _gather_codes(b: Body, packed: str, bit: str, modulus: str, index_shape, full_shape: str, ng1: str,
+                  straddles: bool) -> str:
+    """Read codes at stream bits ``bit`` from INT8 bytes ``packed`` [B, H, ng, bytes]. The bit
+    pattern is the same for every group, so shifts and moduli stay at ``index_shape`` and
+    broadcast; only the byte gather runs at ``full_shape``."""
+    bsz, h = index_shape[0], index_shape[1]
+    data = _unsigned(b, packed)
+    if straddles:  # one zero byte past the end for codes that run into the next byte
+        pad_shape = b.shape_of(b.const([bsz, h]), ng1, b.const([1]))
+        pad = b.op("ConstantOfShape", pad_shape, value=numpy_helper.from_array(np.zeros(1, np.int32)))
+        data = b.op("Concat", data, pad, axis=-1)
+    byte_index = b.op("Div", bit, b.const(8, np.int32))
+    index = b.cast(b.op("Reshape", byte_index, b.const(index_shape)), TensorProto.INT64)
+    index = b.op("Expand", index, full_shape)
+    word = b.op("GatherElements", data, index, axis=3)
+    if straddles:
+        hi = b.op("GatherElements", data, b.op("Add", index, b.const(1)), axis=3)
+        word = b.op("Add", word, b.op("Mul", hi, b.const(256, np.int32)))
+    shift = b.op("Reshape", b.mod(bit, b.const(8, np.int32)), b.const(index_shape))
+    pow2 = b.op("Gather", b.const([1 << j for j in range(8)], np.int32), shift)
+    modulus = b.op("Reshape", modulus, b.const(index_shape))
+    return b.mod(b.op("Div", word, pow2), modulus)
+
+
+def _straddles(*widths: int) -> bool:
+    """Whether a code of one of these widths can span two bytes (streams start on whole bytes)."""
+    return any(8 % w for w in widths)
+
+
+def _dequantize_values(b: Body, layout: CacheLayout, used: Dict[str, str], ng1: str) -> str:
+    """The used groups' value_codes/step/offset -> fp32 [B, H, ng*gs, D]; value code positions
+    are static."""
+    cfg = layout.config
+    bsz, h, d, gs = layout.batch, layout.kv_heads, layout.head_dim, cfg.group_size
+    bv, nvb, vg = cfg.value_bits, layout.value_blocks, layout.value_block
+    bit = np.arange(d) * bv
+    data = _unsigned(b, used["value_codes"])  # [B, H, ng, gs, VB]
+    if _straddles(bv):
+        word = b.op("Gather", data, b.const(bit // 8), axis=4)
+        pad_shape = b.shape_of(b.const([bsz, h]), ng1, b.const([gs, 1]))
+        pad = b.op("ConstantOfShape", pad_shape, value=numpy_helper.from_array(np.zeros(1, np.int32)))
+        hi = b.op("Gather", b.op("Concat", data, pad, axis=-1), b.const(bit // 8 + 1), axis=4)
+        word = b.op("Add", word, b.op("Mul", hi, b.const(256, np.int32)))
+        pow2 = b.const([1 << (x % 8) for x in bit], np.int32)
+    else:  # 8 / bv whole codes per byte, in channel order: no gather needed
+        word = b.op("Unsqueeze", data, b.const([5]))  # [B, H, ng, gs, VB, 1]
+        pow2 = b.const([1 << (j * bv) for j in range(8 // bv)], np.int32)
+    codes = b.mod(b.op("Div", word, pow2), b.const(1 << bv, np.int32))
+    blocks = b.shape_of(b.const([bsz, h]), ng1, b.const([gs, nvb, vg]))
+    codes = b.op("Reshape", b.cast(codes, TensorProto.FLOAT), blocks)
+    step = b.op("Unsqueeze", b.cast(used["value_step"], TensorProto.FLOAT), b.const([5]))
+    offset = b.op("Unsqueeze", b.cast(used["value_offset"], TensorProto.FLOAT), b.const([5]))
+    deq = b.op("Add", offset, b.op("Mul", step, codes))
+    tokens = b.op("Mul", ng1, b.const([gs]))  # no -1: the shape must be exact when ng is 0
+    return b.op("Reshape", deq, b.shape_of(b.const([bsz, h]), tokens, b.const([d])))
+
+
+# ---------------------------------------------------------------------------------------
+# PnMixAppend
+# ---------------------------------------------------------------------------------------
+
+
+def append_function(layout: CacheLayout, opset: int) -> onnx.FunctionProto:
+    cfg = layout.config
+    bsz, h, d, gs = layout.batch, layout.kv_heads, layout.head_dim, cfg.group_size
+    g, s, r = layout.max_groups, cfg.sink_tokens, cfg.residual_size
+    b = Body("app")
+    seq_len, new_len = "seq_len", "new_len"
+    end = b.op("Add", seq_len, new_len)
+    sink0, groups0, res0 = _scalar_lengths(b, seq_len, cfg)
+    sink1, groups1, res1 = _scalar_lengths(b, end, cfg)
+    into_sink = b.op("Sub", sink1, sink0)
+    new_groups = b.op("Sub", groups1, groups0)
+    axis2 = b.const([2])
+    # Only the first new_len tokens are appended (new_len 0: evaluation, nothing changes).
+    k_add = b.op("Slice", "k_new", b.const([0]), b.op("Unsqueeze", new_len, b.const([0])), axis2)
+    v_add = b.op("Slice", "v_new", b.const([0]), b.op("Unsqueeze", new_len, b.const([0])), axis2)
+
+    # The pair mask: computed from the keys of the first append into an empty cache.
+    first = b.and_(b.op("Equal", seq_len, b.const(0)), b.op("Greater", new_len, b.const(0)))
+    mask = _to_int8(b, b.where(first, _saliency_mask(b, k_add, layout), _unsigned(b, "pair_mask")))
+    b.output(mask, "present_pair_mask")
+
+    # Every state tensor is rebuilt as a Gather from [old rows ; new rows] along the token or
+    # group axis with computed row indices: static shapes, data-dependent positions.
+    sink_idx = _select_rows(b, np.arange(s), sink0, sink1, b.const(s), sink0)
+    for name, new in (("sink_k", k_add), ("sink_v", v_add)):
+        b.output(b.op("Gather", b.op("Concat", name, new, axis=2), sink_idx, axis=2), f"present_{name}")
+
+    # The residual stream: what the residual holds, then the new tokens past the sink.
+    def stream_source(pos: str) -> str:
+        from_new = b.op("Add", b.op("Sub", pos, res0), b.op("Add", b.const(r), into_sink))
+        return b.where(b.op("Less", pos, res0), pos, from_new)
+
+    residual_slot = b.const(np.arange(r))
+    kept = b.op("Add", residual_slot, b.op("Mul", new_groups, b.const(gs)))
+    residual_idx = b.where(b.op("Less", residual_slot, res1), stream_source(kept), residual_slot)
+    group_pos = b.op("Range", b.const(0), b.op("Mul", new_groups, b.const(gs)), b.const(1))
+    group_idx = stream_source(group_pos)
+    streams = {}
+    for kind, new in (("k", k_add), ("v", v_add)):
+        stream = b.op("Concat", f"residual_{kind}", new, axis=2)
+        b.output(b.op("Gather", stream, residual_idx, axis=2), f"present_residual_{kind}")
+        streams[kind] = b.op("Gather", stream, group_idx, axis=2)  # [B, H, ng*gs, D]
+
+    ng1 = b.op("Unsqueeze", new_groups, b.const([0]))
+    group_shape = b.shape_of(b.const([bsz, h]), ng1, b.const([gs, d]))
+    keys = b.cast(b.op("Reshape", streams["k"], group_shape), TensorProto.FLOAT)
+    values = b.cast(b.op("Reshape", streams["v"], group_shape), TensorProto.FLOAT)
+    high = _pair_high(b, mask, layout)
+    new_state = dict(zip(("key_codes", "key_step", "key_offset"), _quantize_keys(b, layout, keys, high, ng1)))
+    new_state.update(zip(("value_codes", "value_step", "value_offset"), _quantize_values(b, layout, values, ng1)))
+    slot_idx = _select_rows(b, np.arange(g), groups0, groups1, b.const(g), groups0)
+    for name, new in new_state.items():
+        merged = b.op("Gather", b.op("Concat", name, new, axis=2), slot_idx, axis=2)
+        b.output(merged, f"present_{name}")
+    return _function(APPEND_OP, APPEND_INPUTS, APPEND_OUTPUTS, b, opset)
+
+
+def _select_rows(b: Body, slots: np.ndarray, lo: str, hi: str, new_base: str, new_first: str) -> str:
+    """Row index into [old ; new]: slot i in [lo, hi) takes new row i - new_first, else old row i."""
+    slot = b.const(slots)
+    inside = b.and_(b.op("GreaterOrEqual", slot, lo), b.op("Less", slot, hi))
+    from_new = b.op("Add", new_base, b.op("Sub", slot, new_first))
+    return b.where(inside, from_new, slot)
+
+
+def _saliency_mask(b: Body, keys16: str, layout: CacheLayout) -> str:
+    """fp16 keys [B, H, n, D] -> pair_mask byte values (int32) [B, MB]: the n_high pairs of
+    largest float64 energy, ties to the lower pair index (a rank count, not TopK, whose ties are
+    unspecified); a NaN energy ranks lowest."""
+    cfg = layout.config
+    bsz, h, p = layout.batch, layout.kv_heads, layout.pairs
+    k64 = b.cast(keys16, TensorProto.DOUBLE)
+    squares = b.op("ReduceSum", b.op("Mul", k64, k64), b.const([2]), keepdims=0)  # [B, H, D]
+    first, second = pair_channels(layout.head_dim, cfg.pair_layout)
+    energy = b.op("Add", b.op("Gather", squares, b.const(first.numpy()), axis=2),
+                  b.op("Gather", squares, b.const(second.numpy()), axis=2))  # [B, H, P]
+    energy = b.where(b.op("IsNaN", energy), b.const(-np.inf, np.float64), energy)
+    mine = b.op("Unsqueeze", energy, b.const([3]))  # [B, H, P, 1]: pair p
+    other = b.op("Unsqueeze", energy, b.const([2]))  # [B, H, 1, P]: pair q
+    lower = (np.arange(p)[None, :] < np.arange(p)[:, None])  # [p, q]: q < p
+    ahead = b.op("Or", b.op("Greater", other, mine),
+                 b.and_(b.op("Equal", other, mine), b.const(lower, np.bool_)))
+    rank = b.op("ReduceSum", b.cast(ahead, TensorProto.INT32), b.const([3]), keepdims=0)
+    high = b.cast(b.op("Less", rank, b.const(cfg.high_pairs(layout.head_dim), np.int32)), TensorProto.INT32)
+    bits = b.op("Reshape", high, b.const([bsz, h * p]))
+    spare = layout.mask_bytes * 8 - h * p
+    if spare:
+        bits = b.op("Concat", bits, b.const(np.zeros((bsz, spare)), np.int32), axis=1)
+    return _bits_to_bytes(b, bits, b.const([bsz, layout.mask_bytes, 8]))
+
+
+def _quantize_keys(b: Body, layout: CacheLayout, keys: str, high: str, ng1: str):
+    """fp32 keys [B, H, ng, gs, D] -> (INT8 codes [B,H,ng,KB], fp16 step, offset [B,H,ng,D])."""
+    cfg = layout.config
+    bsz, h, d, gs = layout.batch, layout.kv_heads, layout.head_dim, cfg.group_size
+    high5 = b.op("Reshape", high, b.const([bsz, h, 1, 1, d]))
+    fits = {}
+    for bits in {cfg.key_high_bits, cfg.key_low_bits}:
+        fits[bits] = _fit(b, keys, bits, axis=3, count=gs)
+    step = b.cast(b.where(high5, fits[cfg.key_high_bits][0], fits[cfg.key_low_bits][0]), TensorProto.FLOAT16)
+    offset = b.cast(b.where(high5, fits[cfg.key_high_bits][1], fits[cfg.key_low_bits][1]), TensorProto.FLOAT16)
+    max_code = b.where(high5, b.const(float(2 ** cfg.key_high_bits - 1), np.float32),
+                       b.const(float(2 ** cfg.key_low_bits - 1), np.float32))
+    codes = _quantize(b, keys, step, offset, max_code)  # [B, H, ng, gs, D]
+    by_channel = b.op("Transpose", codes, perm=[0, 1, 2, 4, 3])  # [B, H, ng, D, gs]
+    # Scatter every bit i of code (c, t) to stream bit start(c) + t * bits(c) + i. Bits past a
+    # channel's width (i >= bits(c)) are 0 and all go to one spare slot past the end, which is
+    # dropped: the cost follows the new groups, not the stream length.
+    key_bits = _channel_bits(b, high, cfg)
+    start = _channel_start_bits(b, key_bits, layout)  # [B, H, D]
+    widest = max(cfg.key_high_bits, cfg.key_low_bits)
+    nbits = layout.key_group_bytes * 8
+    i = b.const(np.arange(widest, dtype=np.int32)[None, None, None, None, :], np.int32)
+    t = b.const(np.arange(gs, dtype=np.int32)[None, None, None, :, None], np.int32)
+    start5 = b.op("Reshape", start, b.const([bsz, h, d, 1, 1]))
+    bits5 = b.op("Reshape", key_bits, b.const([bsz, h, d, 1, 1]))
+    target = b.op("Add", b.op("Add", start5, b.op("Mul", t, bits5)), i)  # [B, H, D, gs, widest]
+    target = b.where(b.op("Less", i, bits5), target, b.const(nbits, np.int32))
+    target = b.op("Reshape", b.cast(target, TensorProto.INT64), b.const([bsz, h, 1, d * gs * widest]))
+    updates_shape = b.shape_of(b.const([bsz, h]), ng1, b.const([d * gs * widest]))
+    bit = _code_bit(b, b.op("Unsqueeze", by_channel, b.const([5])), i)  # [B, H, ng, D, gs, widest]
+    stream_shape = b.shape_of(b.const([bsz, h]), ng1, b.const([nbits + 1]))
+    empty = b.op("ConstantOfShape", stream_shape, value=numpy_helper.from_array(np.zeros(1, np.int32)))
+    stream = b.op("ScatterElements", empty, b.op("Expand", target, updates_shape),
+                  b.op("Reshape", bit, updates_shape), axis=3)
+    bit = b.op("Slice", stream, b.const([0]), b.const([nbits]), b.const([3]))
+    byte_values = _bits_to_bytes(b, bit, b.shape_of(b.const([bsz, h]), ng1, b.const([layout.key_group_bytes, 8])))
+    squeeze = b.const([3])
+    return (_to_int8(b, byte_values), b.op("Squeeze", step, squeeze), b.op("Squeeze", offset, squeeze))
+
+
+def _quantize_values(b: Body, layout: CacheLayout, values: str, ng1: str):
+    """fp32 values [B, H, ng, gs, D] -> (INT8 codes [B,H,ng,gs,VB], fp16 step, offset [B,H,ng,gs,NVB])."""
+    cfg = layout.config
+    bsz, h, d, gs = layout.batch, layout.kv_heads, layout.head_dim, cfg.group_size
+    bv, nvb, vg = cfg.value_bits, layout.value_blocks, layout.value_block
+    blocks = b.op("Reshape", values, b.shape_of(b.const([bsz, h]), ng1, b.const([gs, nvb, vg])))
+    step, offset = (b.cast(x, TensorProto.FLOAT16) for x in _fit(b, blocks, bv, axis=5, count=vg))
+    codes = _quantize(b, blocks, step, offset, b.const(float(2 ** bv - 1), np.float32))
+    codes = b.op("Reshape", codes, b.shape_of(b.const([bsz, h]), ng1, b.const([gs, d])))
+    k = np.arange(d * bv)
+    code = b.op("Gather", codes, b.const(k // bv), axis=4)  # [B, H, ng, gs, D*bv]
+    bit = _code_bit(b, code, b.const(k % bv))
+    shape = b.shape_of(b.const([bsz, h]), ng1, b.const([gs, layout.value_token_bytes, 8]))
+    squeeze = b.const([5])
+    return (_to_int8(b, _bits_to_bytes(b, bit, shape)), b.op("Squeeze", step, squeeze),
+            b.op("Squeeze", offset, squeeze))
+
+
+# ---------------------------------------------------------------------------------------
+# Function protos
+# ---------------------------------------------------------------------------------------
+
+
+def _function(name: str, inputs: Sequence[str], outputs: Sequence[str], b: Body, opset: int) -> onnx.FunctionProto:
+    # Attributes are declared so the nodes may carry them; the body is generated for their
+    # values (the exporter writes both from one config).
+    return helper.make_function(
+        DOMAIN, name, list(inputs), list(outputs), b.nodes,
+        opset_imports=[helper.make_opsetid("", opset)],
+        attributes=[row["name"] for row in op_attributes()],
+    )
+
+
+def write_table(path: Path = TABLE_JSON) -> Path:
+    from pnmix.io import write_json_atomic
+
+    return write_json_atomic(path, op_table())
+
+
+if __name__ == "__main__":  # python3 -m pnmix.export.ops --write
+    if "--write" in sys.argv[1:]:
+        print(write_table())
+    else:
+        print(json.dumps(op_table(), indent=2))
