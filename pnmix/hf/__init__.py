@@ -1,0 +1,16 @@
+"""pn-mix in Hugging Face transformers 5.x (docs/HF.md).
+
+* ``PnMixCache``: transformers' Cache with one packed pn-mix cache per layer; pass it to
+  ``model.generate(..., past_key_values=PnMixCache())`` (or ``cache=``) or to forward calls.
+* the ``pnmix`` attention implementation (registered on import): reads the packed cache through
+  the backend kernels instead of a dequantized copy.
+* ``pnmix hf-eval`` (pnmix.hf.evaluate): KL and perplexity against the full-precision cache, next
+  to transformers' 2-bit QuantizedCache.
+"""
+
+from .attention import ATTENTION_NAME, pnmix_attention_forward, register
+from .cache import PnMixCache, PnMixLayer, pair_layout_for
+
+register()
+
+__all__ = ["PnMixCache", "PnMixLayer", "ATTENTION_NAME", "pnmix_attention_forward", "pair_layout_for", "register"]

@@ -1,0 +1,343 @@
+"""PnMixCache: transformers' Cache interface over one packed pn-mix cache per layer.
+
+transformers calls ``cache.update(k, v, layer_idx)`` in every attention layer and then attends over
+the K/V that update returns. The pn-mix semantics (SPEC section 2, docs/HF.md) map onto that as:
+
+* prefill (the layer's first update): return the prompt's own K/V (full-precision attention), then
+  append them to the packed cache: the pair mask comes from this layer's prefill keys.
+* decode, dequantized path (any attention implementation): return the dequantized cache followed
+  by the new tokens' own K/V, and append them only after building that copy, so a new token is
+  seen in full precision in its own step even when its append flushes a group.
+* decode, packed path (``attn_implementation="pnmix"``, see attention.py): return only the new
+  tokens' K/V; the attention function reads the packed state through the backend kernels and then
+  commits the append. The layer learns that it runs under the packed path from that function.
+
+Capacity: a layer's packed state has a fixed number of group slots. With ``max_cache_len`` it is
+allocated once for that many tokens; without, it starts at the prefill plus 256 tokens and doubles
+when full (the used part is copied; persistent bytes never count the spare slots).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+import weakref
+from typing import Any, Optional
+
+import torch
+
+from ..cache import PackedKVCache
+from ..config import PnMixConfig
+from ..errors import PnMixError
+from ..format import STATE_NAMES
+from ._deps import require_transformers
+
+require_transformers()
+from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: E402
+
+# Every Hugging Face Llama-family model rotates with rotate_half: channel i pairs with i + D/2.
+HF_PAIR_LAYOUT = "half"
+# Model families whose HF code rotates interleaved pairs (2i, 2i+1) instead.
+INTERLEAVED_MODEL_TYPES = frozenset({"gptj", "codegen"})
+GROWTH_HEADROOM = 256
+
+
+def pair_layout_for(model_config: Any = None) -> str:
+    """The pair layout of a transformers model's RoPE (``half`` unless the family is interleaved)."""
+    model_type = getattr(model_config, "model_type", None)
+    return "adjacent" if model_type in INTERLEAVED_MODEL_TYPES else HF_PAIR_LAYOUT
+
+
+def resolve_config(config: Optional[PnMixConfig], overrides: dict, model_config: Any = None) -> PnMixConfig:
+    """The cache's config: the model's pair layout by default; a contradicting layout is an error."""
+    want = pair_layout_for(model_config)
+    if config is not None and not isinstance(config, PnMixConfig):
+        raise PnMixError(f"config must be a PnMixConfig, got {type(config).__name__}")
+    base = config if config is not None else PnMixConfig(pair_layout=want)
+    resolved = base.replace(**overrides) if overrides else base
+    if resolved.pair_layout != want:
+        family = getattr(model_config, "model_type", None) or "Hugging Face Llama-family"
+        rotation = "interleaved pairs (2i, 2i+1)" if want == "adjacent" else "rotate_half, pairs (i, i + D/2)"
+        raise PnMixError(
+            f"pair_layout '{resolved.pair_layout}' contradicts the model: {family} models rotate with "
+            f"{rotation}; use pair_layout='{want}'"
+        )
+    return resolved
+
+
+def choose_ops(device: torch.device, backend: Optional[str] = None):
+    """The cache ops: the named backend, else Triton on CUDA, the C++ core on CPU, the reference last."""
+    from ..backends import make_ops
+
+    if backend is not None:
+        return make_ops(backend, str(device))
+    preferred = ("triton",) if device.type == "cuda" else ("core",)
+    for name in preferred:
+        try:
+            return make_ops(name, str(device))
+        except Exception:  # not built / not installed here: the next one serves
+            continue
+    return make_ops("torch", str(device))
+
+
+@dataclasses.dataclass
+class Step:
+    """What the last update of a layer left for the attention function (see attention.py)."""
+
+    layer: "PnMixLayer"
+    key: "weakref.ref[torch.Tensor]"  # what update returned (weak: a dequantized copy must not outlive its layer)
+    seq_before: int  # tokens in the packed cache the attention reads
+    k_new: torch.Tensor  # fp16 K/V of this step's tokens
+    v_new: torch.Tensor
+    pending: bool  # the append waits for the attention function
+
+
+# The attention function runs right after its layer's update on the same thread.
+_last_step = threading.local()
+
+
+def take_step(key: torch.Tensor) -> Optional[Step]:
+    step = getattr(_last_step, "step", None)
+    if step is None or step.key() is not key:
+        return None
+    _last_step.step = None
+    return step
+
+
+class PnMixLayer(CacheLayerMixin):
+    """One attention layer's cache: a PackedKVCache plus the not-yet-appended step, if any."""
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(self, config: PnMixConfig, layer_idx: int, max_cache_len: Optional[int] = None,
+                 backend: Optional[str] = None):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.max_cache_len = max_cache_len
+        self.backend = backend
+        self.packed: Optional[PackedKVCache] = None
+        self.ops = None
+        self.pending: Optional[Step] = None
+        self.packed_attention = False  # set by the pnmix attention function
+        self.peak_copy_bytes = 0  # largest dequantized K/V copy handed to the model's attention
+
+    # ---- transformers' layer interface ----------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, kv_heads, n, head_dim = key_states.shape
+        self.device = key_states.device
+        self.dtype = key_states.dtype
+        self.batch_size = batch
+        self.ops = choose_ops(self.device, self.backend)
+        capacity = self.max_cache_len or self._rounded(n + GROWTH_HEADROOM)
+        self.packed = PackedKVCache(self.config, kv_heads, head_dim, capacity, batch=batch,
+                                    device=self.device, append_fn=self.ops.append)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        if self.pending is not None:
+            # Only the pnmix attention reads the packed cache; any other one saw the new tokens alone.
+            raise PnMixError(
+                f"the last step of layer {self.layer_idx} was not attended by the pnmix attention (the model "
+                "switched attention implementation, or that step failed): use a new PnMixCache"
+            )
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self._check_positions(kwargs.get("kwargs"))
+        n = key_states.shape[2]
+        seq_before = self.packed.seq_len
+        self._reserve(n)
+        k16 = key_states.to(torch.float16).contiguous()
+        v16 = value_states.to(torch.float16).contiguous()
+        if seq_before == 0:
+            # Prefill: full-precision attention over the prompt; the append sets the pair mask.
+            keys, values = key_states, value_states
+            self.packed.append(k16, v16)
+            pending = False
+        elif self.packed_attention:
+            keys, values = key_states, value_states
+            pending = True
+        else:
+            k_cache, v_cache = self.packed.dequantized()
+            keys = torch.cat([k_cache.to(key_states.dtype), key_states], dim=2)
+            values = torch.cat([v_cache.to(value_states.dtype), value_states], dim=2)
+            self.packed.append(k16, v16)  # after the copy: this step sees its own tokens in fp16
+            copy = sum(t.numel() * t.element_size() for t in (keys, values))
+            self.peak_copy_bytes = max(self.peak_copy_bytes, copy)
+            pending = False
+        step = Step(self, weakref.ref(keys), seq_before, k16, v16, pending)
+        self.pending = step if pending else None
+        _last_step.step = step
+        return keys, values
+
+    def commit(self) -> None:
+        """Append the step the packed attention has just read (attention first, then append)."""
+        step, self.pending = self.pending, None
+        if step is not None:
+            self.packed.append(step.k_new, step.v_new)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        if self.packed is None:
+            return 0
+        return self.packed.seq_len + (self.pending.k_new.shape[2] if self.pending is not None else 0)
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len or -1
+
+    def reset(self) -> None:
+        self.packed = None
+        self.pending = None
+        self.is_initialized = False
+        self.packed_attention = False
+        self.peak_copy_bytes = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise PnMixError("PnMixCache cannot be cropped: quantized groups cannot give tokens back "
+                         "(assisted decoding and rewinds need a DynamicCache)")
+
+    def offload(self):
+        raise PnMixError("PnMixCache does not support offloading")
+
+    def prefetch(self):
+        raise PnMixError("PnMixCache does not support offloading")
+
+    # Beam search and batch expansion: rebuild the packed state with the chosen rows.
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select_rows(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.packed is not None:
+            self._select_rows(torch.arange(self.packed.layout.batch).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select_rows(indices)
+
+    # ---- bytes ---------------------------------------------------------------------------
+    def persistent_bytes(self) -> dict:
+        if self.packed is None:
+            return {"key_bytes": 0, "value_bytes": 0, "persistent_cache_bytes": 0}
+        return self.packed.persistent_bytes()
+
+    def allocated_bytes(self) -> int:
+        if self.packed is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in self.packed.state.values())
+
+    # ---- helpers -------------------------------------------------------------------------
+    def _rounded(self, tokens: int) -> int:
+        group = self.config.group_size
+        return max(group, math.ceil(tokens / group) * group)
+
+    def _reserve(self, n: int) -> None:
+        """Make room for n more tokens: grow (double) the group slots, or refuse past max_cache_len."""
+        packed = self.packed
+        need = packed.seq_len + n
+        if need <= packed.layout.max_seq_len:
+            return
+        if self.max_cache_len is not None:
+            raise PnMixError(f"PnMixCache is full: {packed.seq_len} + {n} tokens > max_cache_len {self.max_cache_len}")
+        capacity = self._rounded(max(need, 2 * packed.layout.max_seq_len))
+        self.packed = self._copy_into(capacity, packed.layout.batch, rows=None)
+
+    def _copy_into(self, capacity: int, batch: int, rows: Optional[torch.Tensor]) -> PackedKVCache:
+        old = self.packed
+        new = PackedKVCache(self.config, old.layout.kv_heads, old.layout.head_dim, capacity, batch=batch,
+                            device=self.device, append_fn=self.ops.append)
+        for name in STATE_NAMES:
+            source = old.state[name] if rows is None else old.state[name].index_select(0, rows)
+            # Only the group dimension differs between capacities: copy the common corner.
+            new.state[name][tuple(slice(0, s) for s in source.shape)] = source
+        new.seq_len = old.seq_len
+        new.saliency_computations = old.saliency_computations
+        return new
+
+    def _select_rows(self, rows: torch.Tensor) -> None:
+        if self.packed is None:
+            return
+        rows = rows.to(self.device)
+        self.packed = self._copy_into(self.packed.layout.max_seq_len, int(rows.numel()), rows)
+        self.batch_size = int(rows.numel())
+
+    def _check_positions(self, forward_kwargs: Any) -> None:
+        """Refuse left-padded batches and inputs that do not continue the cached sequence."""
+        if not isinstance(forward_kwargs, dict):
+            return
+        positions = forward_kwargs.get("position_ids")
+        if not isinstance(positions, torch.Tensor) or positions.dim() != 2 or positions.numel() == 0:
+            return
+        first = positions[:, :1]
+        if positions.shape[0] > 1 and not bool((positions == positions[:1]).all()):
+            raise PnMixError(
+                "PnMixCache takes a batch of equal-length prompts; these rows have different position ids "
+                "(a left-padded batch?): pad-free prompts of one length, or one prompt per call"
+            )
+        start = int(first[0, 0])
+        if start != self.packed.seq_len:
+            raise PnMixError(
+                f"position ids start at {start} but the cache holds {self.packed.seq_len} tokens of layer "
+                f"{self.layer_idx}: the input must continue the cached sequence (padding or a rewind?)"
+            )
+
+
+class PnMixCache(Cache):
+    """transformers' Cache with one packed pn-mix cache per layer (docs/HF.md).
+
+    ``PnMixCache(config=None, **overrides)``: the pn-mix config (default: the manifest's values with
+    ``pair_layout="half"``, the layout of HF's rotate_half), with field overrides. Keyword-only:
+    ``max_cache_len`` (allocate once for that many tokens instead of growing), ``backend``
+    ("torch", "core", "triton"; default: Triton on CUDA, the C++ core on CPU when built, else the
+    reference), ``model_config`` (the model's config: checks the pair layout against its family).
+    """
+
+    def __init__(self, config: Optional[PnMixConfig] = None, *, max_cache_len: Optional[int] = None,
+                 backend: Optional[str] = None, model_config: Any = None, **overrides: Any):
+        self.config = resolve_config(config, overrides, model_config)
+        if max_cache_len is not None and (isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int)
+                                          or max_cache_len < 1):
+            raise PnMixError(f"max_cache_len must be a positive integer, got {max_cache_len!r}")
+        self.max_cache_len = max_cache_len
+        self.backend = backend
+        super().__init__(layers=[])  # layers are made on first use, each knowing its index
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        while len(self.layers) <= layer_idx:
+            self.layers.append(PnMixLayer(self.config, len(self.layers), self.max_cache_len, self.backend))
+        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+
+    def persistent_bytes(self) -> int:
+        """Bytes the cache holds: the used part of every layer's packed state (SPEC section 2)."""
+        return sum(layer.persistent_bytes()["persistent_cache_bytes"] for layer in self.layers)
+
+    def bytes_by_part(self) -> dict:
+        """key_bytes, value_bytes and persistent_cache_bytes summed over layers."""
+        total = {"key_bytes": 0, "value_bytes": 0, "persistent_cache_bytes": 0}
+        for layer in self.layers:
+            for name, value in layer.persistent_bytes().items():
+                total[name] += value
+        return total
+
+    def allocated_bytes(self) -> int:
+        """Bytes of the state tensors as allocated (capacity, spare group slots included)."""
+        return sum(layer.allocated_bytes() for layer in self.layers)
+
+    def peak_copy_bytes(self) -> int:
+        """The largest dequantized K/V copy one layer handed to the model's attention (0 on the
+        packed path): the scratch the dequantized path costs, on top of persistent_bytes()."""
+        return max((layer.peak_copy_bytes for layer in self.layers), default=0)
+
+    @property
+    def ops_name(self) -> Optional[str]:
+        """The backend whose kernels serve the layers (known once a layer is initialized)."""
+        for layer in self.layers:
+            if layer.ops is not None:
+                return layer.ops.name
+        return None
+
+    def __repr__(self) -> str:
+        return f"PnMixCache(layers={len(self.layers)}, tokens={self.get_seq_length()}, config={self.config})"
