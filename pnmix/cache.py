@@ -37,8 +37,12 @@ def check_new_kv(layout: CacheLayout, k: torch.Tensor, v: torch.Tensor) -> None:
         raise PnMixError(f"new keys {list(k.shape)} and values {list(v.shape)} differ in shape")
 
 
-def append_reference(layout: CacheLayout, state: State, seq_len: int, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Append fp16 K/V [B, H, n, D] to the state in place (the reference implementation)."""
+def append_reference(layout: CacheLayout, state: State, seq_len: int, k: torch.Tensor, v: torch.Tensor,
+                     kernels=reference) -> None:
+    """Append fp16 K/V [B, H, n, D] to the state in place (the reference implementation).
+
+    kernels: where quantize_key_groups / quantize_values come from (the Triton backend passes
+    its own; the bookkeeping stays here, in one place)."""
     cfg = layout.config
     n = k.shape[2]
     if seq_len == 0 and n:
@@ -54,30 +58,59 @@ def append_reference(layout: CacheLayout, state: State, seq_len: int, k: torch.T
     stream_v = torch.cat([state["residual_v"][:, :, : before.residual], v[:, :, into_sink:]], dim=2)
     new_groups = after.groups - before.groups
     if new_groups:
-        _write_groups(layout, state, before.groups, stream_k, stream_v, new_groups)
+        _write_groups(layout, state, before.groups, stream_k, stream_v, new_groups, kernels)
     tail = slice(new_groups * cfg.group_size, None)
     state["residual_k"][:, :, : after.residual] = stream_k[:, :, tail]
     state["residual_v"][:, :, : after.residual] = stream_v[:, :, tail]
 
 
-def _write_groups(layout, state, first, stream_k, stream_v, count) -> None:
+def _write_groups(layout, state, first, stream_k, stream_v, count, kernels=reference) -> None:
     b, h, d, gs = layout.batch, layout.kv_heads, layout.head_dim, layout.config.group_size
     bits = reference.state_channel_bits(layout, state)  # [B, H, D]
     groups_k = stream_k[:, :, : count * gs].reshape(b, h, count, gs, d)
     rows_bits = bits.unsqueeze(2).expand(b, h, count, d).reshape(-1, d)
-    packed, step, offset = reference.quantize_key_groups(groups_k.reshape(-1, gs, d), rows_bits, layout)
+    packed, step, offset = kernels.quantize_key_groups(groups_k.reshape(-1, gs, d), rows_bits, layout)
     where = (slice(None), slice(None), slice(first, first + count))
     state["key_codes"][where] = packed.reshape(b, h, count, -1)
     state["key_step"][where] = step.reshape(b, h, count, d)
     state["key_offset"][where] = offset.reshape(b, h, count, d)
     groups_v = stream_v[:, :, : count * gs].reshape(b, h, count, gs, d)
-    packed_v, step_v, offset_v = reference.quantize_values(groups_v, layout)
+    packed_v, step_v, offset_v = kernels.quantize_values(groups_v, layout)
     state["value_codes"][where] = packed_v
     state["value_step"][where] = step_v
     state["value_offset"][where] = offset_v
 
 
+def check_queries(layout: CacheLayout, seq_len: int, q: torch.Tensor, k_new, v_new) -> None:
+    """q [B, Hq, nq, D] with Hq a multiple of kv_heads; the nq queries are the last nq keys."""
+    n_new = 0
+    if k_new is not None or v_new is not None:
+        if k_new is None or v_new is None:
+            raise PnMixError("give both new keys and new values, or neither")
+        check_new_kv(layout, k_new, v_new)
+        n_new = k_new.shape[2]
+    if q.dim() != 4 or q.shape[0] != layout.batch or q.shape[3] != layout.head_dim or q.shape[1] % layout.kv_heads:
+        raise PnMixError(
+            f"queries must have shape [batch={layout.batch}, q_heads (a multiple of kv_heads="
+            f"{layout.kv_heads}), nq, head_dim={layout.head_dim}], got {list(q.shape)}"
+        )
+    if q.shape[2] > seq_len + n_new:
+        raise PnMixError(
+            f"{q.shape[2]} queries but only {seq_len + n_new} keys: queries are the last positions"
+        )
+
+
 AppendFn = Callable[[CacheLayout, State, int, torch.Tensor, torch.Tensor], None]
+
+
+def default_append(device: torch.device) -> AppendFn:
+    """The Triton kernels on CUDA devices when triton is installed, else the reference."""
+    if device.type == "cuda":
+        from .backends.triton_ops import append_triton, triton_available
+
+        if triton_available():
+            return append_triton
+    return append_reference
 
 
 class PackedKVCache:
@@ -98,7 +131,7 @@ class PackedKVCache:
         self.state: State = self.layout.empty_state(self.device)
         self.seq_len = 0
         self.saliency_computations = 0
-        self._append_fn = append_fn or append_reference
+        self._append_fn = append_fn or default_append(self.device)
 
     @property
     def config(self) -> PnMixConfig:
@@ -116,15 +149,24 @@ class PackedKVCache:
             )
         if n == 0:
             return
-        if self.seq_len == 0:
-            self.saliency_computations += 1
         k = k.to(device=self.device, dtype=torch.float16)
         v = v.to(device=self.device, dtype=torch.float16)
+        # Non-finite K/V would quantize silently (Inf saturates to a finite step, NaN codes are
+        # backend-defined): reject them before the state changes (docs/HARDENING.md).
+        for name, t in (("keys", k), ("values", v)):
+            if not bool(torch.isfinite(t).all()):
+                raise PnMixError(
+                    f"new {name} hold non-finite values (NaN or Inf, or beyond fp16's +-65504) at "
+                    f"tokens {self.seq_len}..{self.seq_len + n - 1}; the cache takes finite fp16 K/V only"
+                )
+        if self.seq_len == 0:
+            self.saliency_computations += 1
         self._append_fn(self.layout, self.state, self.seq_len, k, v)
         self.seq_len += n
 
     def attend(self, q: torch.Tensor, k_new=None, v_new=None, return_probs: bool = False):
         """Attention of q [B, Hq, nq, D] over the cache and (optionally) not-yet-appended K/V."""
+        check_queries(self.layout, self.seq_len, q, k_new, v_new)
         return reference.attend(q, self.layout, self.state, self.seq_len, k_new, v_new, return_probs)
 
     # ---- inspection -------------------------------------------------------------------------

@@ -1,9 +1,16 @@
 """Shared fixtures: small configs and random fp16 K/V."""
 
+import os
+
 import pytest
 import torch
 
 from pnmix.config import PnMixConfig
+
+# Without a GPU, Triton runs in its CPU interpreter, which must be chosen before triton is first
+# imported (some test modules import it through transformers): choose it for the whole session.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # A configuration far from the manifest's: other pair layout, bit widths, sizes.
 OTHER_CONFIG = dict(pair_layout="half", key_high_bits=4, key_low_bits=2, value_bits=4,
