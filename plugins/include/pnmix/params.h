@@ -1,0 +1,67 @@
+// pnmix/params.h: the method's configuration and a cache's shape, as plain C structs.
+//
+// The field names are pnmix/config.py's CONFIG_FIELDS, in the same order (one place names them;
+// tests/test_core.py checks this struct against it). The structs are plain C so the C ABI
+// (pnmix_core.h), the CUDA kernels and the TensorRT plugins all pass the same thing.
+#ifndef PNMIX_PARAMS_H
+#define PNMIX_PARAMS_H
+
+#include <stdint.h>
+
+#if defined(__CUDACC__)
+#define PNMIX_HD __host__ __device__
+#else
+#define PNMIX_HD
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* pair_layout codes (docs/FORMAT.md 3.2 and the .pnkv header) */
+#define PNMIX_PAIR_ADJACENT 0
+#define PNMIX_PAIR_HALF 1
+
+/* The 11 state tensors, in docs/FORMAT.md section 3's order (format.STATE_NAMES). */
+#define PNMIX_NUM_STATE 11
+enum pnmix_state_index {
+  PNMIX_SINK_K = 0,
+  PNMIX_SINK_V = 1,
+  PNMIX_RESIDUAL_K = 2,
+  PNMIX_RESIDUAL_V = 3,
+  PNMIX_KEY_CODES = 4,
+  PNMIX_KEY_STEP = 5,
+  PNMIX_KEY_OFFSET = 6,
+  PNMIX_VALUE_CODES = 7,
+  PNMIX_VALUE_STEP = 8,
+  PNMIX_VALUE_OFFSET = 9,
+  PNMIX_PAIR_MASK = 10
+};
+
+/* PnMixConfig (pnmix/config.py), field for field. */
+typedef struct pnmix_config {
+  double high_ratio;
+  int32_t group_size;
+  int32_t residual_size;
+  int32_t sink_tokens;
+  int32_t value_bits;
+  int32_t value_group_size;
+  int32_t pair_layout; /* PNMIX_PAIR_ADJACENT or PNMIX_PAIR_HALF */
+  int32_t key_high_bits;
+  int32_t key_low_bits;
+} pnmix_config;
+
+/* A cache: config, batch B, KV heads H, head dim D, capacity in tokens (CacheLayout). */
+typedef struct pnmix_layout {
+  pnmix_config config;
+  int64_t batch;
+  int64_t kv_heads;
+  int64_t head_dim;
+  int64_t max_seq_len;
+} pnmix_layout;
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* PNMIX_PARAMS_H */

@@ -1,0 +1,98 @@
+/* pnmix_core.h: the C ABI of libpnmix_core (CPU).
+ *
+ * The cache lives in caller-owned buffers: the eleven state tensors of docs/FORMAT.md section 3
+ * (pnmix_state, in STATE_NAMES order), each dense and of its capacity size
+ * (pnmix_state_bytes). fp16 values are passed as their 16-bit patterns (uint16_t).
+ *
+ * Every function validates its pointer and size arguments and returns PNMIX_OK or an error
+ * code; pnmix_last_error() then gives a one-line message (thread-local, valid until the next
+ * call on the same thread).
+ */
+#ifndef PNMIX_CORE_H
+#define PNMIX_CORE_H
+
+#include <stdint.h>
+
+#include "params.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define PNMIX_CORE_ABI_VERSION 1
+
+#if defined(_WIN32)
+#define PNMIX_API
+#else
+#define PNMIX_API __attribute__((visibility("default")))
+#endif
+
+enum pnmix_status {
+  PNMIX_OK = 0,
+  PNMIX_ERR_NULL = 1,     /* a required pointer is null */
+  PNMIX_ERR_CONFIG = 2,   /* invalid config or layout */
+  PNMIX_ERR_SIZE = 3,     /* a buffer size or count does not match the layout */
+  PNMIX_ERR_CAPACITY = 4, /* seq_len + n would exceed max_seq_len */
+  PNMIX_ERR_DUMP = 5,     /* a .pnkv blob is malformed */
+  PNMIX_ERR_INTERNAL = 6
+};
+
+/* The eleven state buffers and their sizes in bytes (each must equal pnmix_state_bytes). */
+typedef struct pnmix_state {
+  void* data[PNMIX_NUM_STATE];
+  int64_t nbytes[PNMIX_NUM_STATE];
+} pnmix_state;
+
+PNMIX_API int pnmix_core_abi_version(void);
+PNMIX_API const char* pnmix_last_error(void);
+
+/* Check a layout; fill nbytes[11] with the capacity size of each state buffer. */
+PNMIX_API int pnmix_state_bytes(const pnmix_layout* layout, int64_t nbytes[PNMIX_NUM_STATE]);
+
+/* Persistent bytes (FORMAT.md section 5) of a cache of this layout at seq_len tokens. */
+PNMIX_API int pnmix_persistent_bytes(const pnmix_layout* layout, int64_t seq_len, int64_t* out);
+
+/* Append n tokens of fp16 K/V [B, H, n, D] (kv_bytes = bytes of each of k and v) to a cache holding
+ * seq_len tokens: pair mask first when seq_len == 0, sink, residual, and every group flush.
+ * Bytes are identical to pnmix.cache.append_reference. */
+PNMIX_API int pnmix_append(const pnmix_layout* layout, pnmix_state* state, int64_t seq_len, const uint16_t* k,
+                 const uint16_t* v, int64_t n, int64_t kv_bytes);
+
+/* Attention of q [B, Hq, nq, D] (fp16 bits if q_is_fp32 == 0, else fp32) over the cache of seq_len
+ * tokens followed by n_new fp16 tokens k_new/v_new [B, H, n_new, D] (may be null when n_new == 0).
+ * The queries are the last nq of the seq_len + n_new positions (causal); GQA head h reads KV
+ * head h / (Hq / H); scale 1/sqrt(D); out fp32 [B, Hq, nq, D]. threads <= 0: all cores. */
+PNMIX_API int pnmix_attend(const pnmix_layout* layout, const pnmix_state* state, int64_t seq_len, const void* q,
+                 int q_is_fp32, int64_t q_heads, int64_t nq, int64_t q_bytes, const uint16_t* k_new,
+                 const uint16_t* v_new, int64_t n_new, int64_t new_bytes, float* out, int64_t out_bytes,
+                 int threads);
+
+/* The attention kernel in use: "avx512vbmi", "avx512", "avx2" or "scalar" (chosen at run time from
+ * cpuid; groups whose size is not a multiple of 16 use "avx2" in place of the AVX-512 kernels). */
+PNMIX_API const char* pnmix_attend_isa(void);
+/* Force a kernel ("avx512vbmi", "avx512", "avx2", "scalar" or "auto" / null); for tests and benchmarks. */
+PNMIX_API int pnmix_set_attend_isa(const char* name);
+
+/* The header's fp16 conversions, exposed so tests can check them exhaustively:
+ * half bits -> fp32, and fp32 -> half bits (saturating != 0: FORMAT.md's saturating fp16(.)). */
+PNMIX_API int pnmix_half_to_float(const uint16_t* src, float* dst, int64_t n);
+PNMIX_API int pnmix_float_to_half(const float* src, uint16_t* dst, int64_t n, int saturating);
+
+/* .pnkv dump (FORMAT.md section 6). */
+/* Bytes a dump of this layout at seq_len takes (64 + persistent bytes). */
+PNMIX_API int pnmix_dump_size(const pnmix_layout* layout, int64_t seq_len, int64_t* out);
+/* Write the dump into out (out_bytes must be at least pnmix_dump_size). */
+PNMIX_API int pnmix_dump_write(const pnmix_layout* layout, const pnmix_state* state, int64_t seq_len, uint8_t* out,
+                     int64_t out_bytes, int64_t* written);
+/* Decode and check a dump's header against its size: layout (capacity = max(seq_len, 1)) and seq_len. */
+PNMIX_API int pnmix_dump_header(const uint8_t* blob, int64_t size, pnmix_layout* layout, int64_t* seq_len);
+/* Load a dump into state buffers of `layout` (same config/B/H/D, capacity >= the dump's seq_len);
+ * unused parts of the buffers are zeroed. */
+PNMIX_API int pnmix_dump_read(const uint8_t* blob, int64_t size, const pnmix_layout* layout, pnmix_state* state,
+                    int64_t* seq_len);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* PNMIX_CORE_H */

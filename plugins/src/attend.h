@@ -1,0 +1,44 @@
+// attend.h: the packed decode-attention job shared by the per-ISA kernels (attend_kernel.inc).
+#ifndef PNMIX_SRC_ATTEND_H
+#define PNMIX_SRC_ATTEND_H
+
+#include <stdint.h>
+
+#include "pnmix/format.h"
+
+namespace pnmix {
+
+// One call of pnmix_attend, resolved: pointers into the state, lengths, and the work split.
+// Work item = (sequence b, KV head h, split s); split s covers groups [s*G/S, (s+1)*G/S), split 0
+// also the sink, the last split also the residual and the new tokens.
+struct AttendJob {
+  pnmix_layout L;
+  Lengths n;
+  int64_t seq_len, n_new, total;  // total = seq_len + n_new key positions
+  int64_t q_heads, nq, group_q;   // group_q = Hq / H query heads per KV head
+  int64_t rows;                   // group_q * nq query rows per KV head
+  int64_t splits;
+  float scale;
+  const float* q;  // fp32 [B, Hq, nq, D]
+  const uint16_t *sink_k, *sink_v, *residual_k, *residual_v;
+  const uint8_t* key_codes;
+  const uint16_t *key_step, *key_offset;
+  const uint8_t* value_codes;
+  const uint16_t *value_step, *value_offset;
+  const uint8_t* pair_mask;
+  const uint16_t *k_new, *v_new;
+  // per item and row: D accumulators, then the running max m and sum l
+  float* partial;
+};
+
+inline int64_t partial_stride(const AttendJob& job) { return job.L.head_dim + 2; }
+
+// The kernels: one per instruction set, same arithmetic.
+void attend_item_generic(const AttendJob& job, int64_t item);
+void attend_item_avx2(const AttendJob& job, int64_t item);
+void attend_item_avx512(const AttendJob& job, int64_t item);
+void attend_item_avx512vbmi(const AttendJob& job, int64_t item);
+
+}  // namespace pnmix
+
+#endif  // PNMIX_SRC_ATTEND_H

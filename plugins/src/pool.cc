@@ -1,0 +1,123 @@
+#include "pool.h"
+
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace pnmix {
+namespace {
+
+// Items are claimed with a compare-and-swap on one word holding (run generation, next item), so a
+// helper that wakes up late (a busy machine) can never take an item of a later run; the caller
+// waits for the items to be done, not for every helper to wake up.
+class Pool {
+ public:
+  void run(int threads, int64_t n_items, void (*fn)(void*, int64_t), void* ctx) {
+    std::lock_guard<std::mutex> call(call_mutex_);
+    grow(threads - 1);
+    uint64_t gen;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      gen = ++generation_;
+      fn_ = fn;
+      ctx_ = ctx;
+      n_items_ = n_items;
+      wanted_ = threads - 1;
+      done_.store(0);
+      next_.store(gen << kIndexBits);
+    }
+    wake_.notify_all();
+    work(gen, fn, ctx, n_items);
+    std::unique_lock<std::mutex> lock(mutex_);
+    finished_.wait(lock, [&] { return done_.load() == n_items; });
+  }
+
+ private:
+  static constexpr int kIndexBits = 40;
+  static constexpr uint64_t kIndexMask = (uint64_t(1) << kIndexBits) - 1;
+
+  void work(uint64_t gen, void (*fn)(void*, int64_t), void* ctx, int64_t n_items) {
+    const uint64_t tag = (gen << kIndexBits) & ~kIndexMask;
+    for (;;) {
+      uint64_t word = next_.load();
+      int64_t item;
+      do {
+        if ((word & ~kIndexMask) != tag) return;  // a later run has started: nothing of ours is left
+        item = (int64_t)(word & kIndexMask);
+        if (item >= n_items) return;
+      } while (!next_.compare_exchange_weak(word, word + 1));
+      fn(ctx, item);
+      if (done_.fetch_add(1) + 1 == n_items) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        finished_.notify_all();
+      }
+    }
+  }
+
+  void grow(int helpers) {
+    while ((int)workers_.size() < helpers) {
+      const int index = (int)workers_.size();
+      workers_.emplace_back([this, index] { loop(index); });
+      workers_.back().detach();  // the pool lives for the whole process
+    }
+  }
+
+  void loop(int index) {
+    uint64_t seen = 0;
+    for (;;) {
+      uint64_t gen;
+      void (*fn)(void*, int64_t);
+      void* ctx;
+      int64_t n_items;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] { return generation_ != seen; });
+        seen = gen = generation_;
+        if (index >= wanted_) continue;
+        fn = fn_;
+        ctx = ctx_;
+        n_items = n_items_;
+      }
+      work(gen, fn, ctx, n_items);
+    }
+  }
+
+  std::mutex call_mutex_;
+  std::mutex mutex_;
+  std::condition_variable wake_, finished_;
+  std::vector<std::thread> workers_;
+  uint64_t generation_ = 0;
+  int wanted_ = 0;
+  void (*fn_)(void*, int64_t) = nullptr;
+  void* ctx_ = nullptr;
+  int64_t n_items_ = 0;
+  std::atomic<uint64_t> next_{0};
+  std::atomic<int64_t> done_{0};
+};
+
+Pool& pool() {
+  static Pool* instance = new Pool;  // never destroyed: detached workers may outlive statics
+  return *instance;
+}
+
+}  // namespace
+
+int resolve_threads(int requested) {
+  int n = requested > 0 ? requested : (int)std::thread::hardware_concurrency();
+  if (n < 1) n = 1;
+  return n > 256 ? 256 : n;
+}
+
+void parallel_for(int threads, int64_t n_items, void (*fn)(void*, int64_t), void* ctx) {
+  if (n_items <= 0) return;
+  if (threads > n_items) threads = (int)n_items;
+  if (threads <= 1) {
+    for (int64_t i = 0; i < n_items; ++i) fn(ctx, i);
+    return;
+  }
+  pool().run(threads, n_items, fn, ctx);
+}
+
+}  // namespace pnmix

@@ -1,0 +1,371 @@
+"""`pnmix bench decode`: time one decode-attention step over a cache of N tokens, per implementation.
+
+A synthetic cache (random fp16 K/V, one query token per sequence, attending to all N cached
+tokens) is built once; the same K/V feed the dense caches of the SDPA baselines and, quantized,
+the packed cache. Each implementation is warmed up, then timed for ``repeats`` steps; the median
+is reported with the cache's bytes, the bytes one step reads and the achieved GB/s.
+
+Implementations (names in the JSON):
+
+* ``sdpa_fp32``, ``sdpa_bf16`` (and ``sdpa_fp16`` on GPU): torch
+  ``scaled_dot_product_attention`` over a dense cache of that dtype, GQA via ``enable_gqa`` (the call
+  a user writes);
+* ``sdpa_fp32_grouped``, ``sdpa_bf16_grouped``: the same dense cache, with the query heads of each KV
+  head passed as rows of one attention (``q.view(B, H, Hq/H, D)``, exact for one query token): each
+  K/V byte is read once, which on CPU is several times faster than ``enable_gqa``; the strongest dense
+  baseline we know, reported so the packed kernels' ratios are not flattered;
+* ``reference``: pnmix.reference.attend on the packed cache (dequantizes the whole cache each
+  step; skipped above 32K tokens unless named in ``--impls``);
+* ``core``: libpnmix_core's packed decode attention (CPU threads, AVX2/AVX-512);
+* on GPU, ``triton`` and ``cuda``: the other components' kernels, loaded lazily.
+
+GPU factory contract (``pnmix.backends.triton_ops:bench_factory``, ``pnmix.cuda_ops:bench_factory``):
+``bench_factory(layout, state, seq_len, q) -> callable``; ``state`` (format.STATE_NAMES tensors)
+and ``q`` fp16 ``[B, Hq, 1, D]`` are already on the CUDA device; the zero-argument callable runs
+one decode-attention step of q over the ``seq_len`` cached tokens and returns the fp32 output.
+An import or construction failure skips that implementation with its one-line reason.
+
+Bytes read per step: dense caches read K and V (``2 * B * H * N * D * itemsize``); the packed
+kernels read the persistent bytes (FORMAT.md section 5); ``reference`` also writes and reads a
+dequantized fp32 copy of the cache, counted too.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from .config import PnMixConfig, run_config
+from .errors import PnMixError
+from .format import CacheLayout
+
+CPU_IMPLS = ("sdpa_fp32", "sdpa_bf16", "sdpa_fp32_grouped", "sdpa_bf16_grouped", "reference", "core")
+SDPA_DTYPES = {"sdpa_fp32": torch.float32, "sdpa_bf16": torch.bfloat16, "sdpa_fp16": torch.float16,
+               "sdpa_fp32_grouped": torch.float32, "sdpa_bf16_grouped": torch.bfloat16}
+GPU_IMPLS = ("sdpa_fp16", "triton", "cuda")
+ALL_IMPLS = CPU_IMPLS + GPU_IMPLS
+GPU_FACTORIES = {"triton": "pnmix.backends.triton_ops:bench_factory", "cuda": "pnmix.cuda_ops:bench_factory"}
+REFERENCE_AUTO_LIMIT = 32768  # the reference dequantizes everything per step: too slow above this
+FILL_CHUNK = 8192  # tokens per append call while filling the cache (bounds the reference's scratch)
+
+
+class Skip(Exception):
+    """An implementation that cannot run here, with the reason."""
+
+
+# ---------------------------------------------------------------------------------------
+# The synthetic cache
+# ---------------------------------------------------------------------------------------
+
+
+def fill_cache(layout: CacheLayout, k: torch.Tensor, v: torch.Tensor, threads: Optional[int]):
+    """The packed state of k/v [B, H, N, D] fp16 on CPU: the core's append when built (fast),
+    else the reference's, both chunked so whole groups are quantized per call."""
+    try:
+        from .backends.core_ops import CoreOps
+
+        append = CoreOps(threads).append
+    except PnMixError:
+        from .cache import append_reference as append
+    state = layout.empty_state()
+    n = k.shape[2]
+    for start in range(0, n, FILL_CHUNK):
+        stop = min(n, start + FILL_CHUNK)
+        append(layout, state, start, k[:, :, start:stop], v[:, :, start:stop])
+    return state
+
+
+def dense_bytes(layout: CacheLayout, seq_len: int, itemsize: int) -> int:
+    return 2 * layout.batch * layout.kv_heads * seq_len * layout.head_dim * itemsize
+
+
+# ---------------------------------------------------------------------------------------
+# Implementations: each returns (callable, device, cache_bytes, bytes_read)
+# ---------------------------------------------------------------------------------------
+
+
+def _sdpa(dtype: torch.dtype, device: str, k, v, q, grouped: bool) -> Callable[[], torch.Tensor]:
+    import torch.nn.functional as F
+
+    kd, vd, qd = (t.to(device=device, dtype=dtype) for t in (k, v, q))
+    if not grouped:
+        return lambda: F.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True)
+    batch, q_heads, _, head_dim = qd.shape
+    rows = qd.reshape(batch, kd.shape[1], q_heads // kd.shape[1], head_dim)  # one query token per head
+    return lambda: F.scaled_dot_product_attention(rows, kd, vd).reshape(batch, q_heads, 1, head_dim)
+
+
+def make_impl(name: str, ctx: dict):
+    layout, n, device = ctx["layout"], ctx["context"], ctx["device"]
+    packed = layout.persistent_bytes(n)["persistent_cache_bytes"]
+    if name in SDPA_DTYPES:
+        dtype = SDPA_DTYPES[name]
+        if name == "sdpa_fp16" and device == "cpu":
+            raise Skip("fp16 SDPA is a GPU baseline (run with --device cuda)")
+        size = dense_bytes(layout, n, torch.tensor([], dtype=dtype).element_size())
+        fn = _sdpa(dtype, device, ctx["k"], ctx["v"], ctx["q"], grouped=name.endswith("_grouped"))
+        return fn, device, size, size
+    if name == "reference":
+        from . import reference
+
+        state = {key: t.to(device) for key, t in ctx["state"].items()}
+        q = ctx["q"].to(device)
+        return (lambda: reference.attend(q, layout, state, n)), device, packed, packed + 2 * dense_bytes(layout, n, 4)
+    if name == "core":
+        from .backends.core_ops import CoreOps
+
+        ops = CoreOps(ctx["threads"])
+        state, q = ctx["state"], ctx["q"]
+        ctx["core_isa"] = ops.isa()
+        return (lambda: ops.attend(q, layout, state, n, None, None)), "cpu", packed, packed
+    if name in GPU_FACTORIES:
+        if device == "cpu":
+            raise Skip(f"{name} is a GPU implementation (run with --device cuda on a CUDA machine)")
+        module_name, attr = GPU_FACTORIES[name].split(":")
+        try:
+            factory = getattr(importlib.import_module(module_name), attr)
+            state = {key: t.to(device) for key, t in ctx["state"].items()}
+            fn = factory(layout, state, n, ctx["q"].to(device))
+        except Exception as exc:  # a missing module, library or GPU: skip with the reason
+            raise Skip(f"{type(exc).__name__}: {' '.join(str(exc).split())}") from None
+        return fn, device, packed, packed
+    raise PnMixError(f"unknown implementation '{name}'; choose from {', '.join(ALL_IMPLS)}")
+
+
+# ---------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_step(fn: Callable[[], torch.Tensor], device: str, repeats: int) -> tuple[float, float, torch.Tensor, int]:
+    """(median wall seconds, median process CPU seconds, output, repeats run) after warm-up; slow
+    steps (> 1 s) run fewer times. CPU time (all threads) is the figure to trust on a busy machine."""
+    _sync(device)
+    start = time.perf_counter()
+    out = fn()
+    _sync(device)
+    first = time.perf_counter() - start
+    if first < 1.0:
+        fn()  # a second warm-up: caches, thread pool, allocator
+    else:
+        repeats = min(repeats, 3)
+    times, cpu_times = [], []
+    for _ in range(repeats):
+        _sync(device)
+        start, cpu_start = time.perf_counter(), time.process_time()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)
+    return statistics.median(times), statistics.median(cpu_times), out, repeats
+
+
+# ---------------------------------------------------------------------------------------
+# The command
+# ---------------------------------------------------------------------------------------
+
+
+def _check_args(context, batch, q_heads, kv_heads, head_dim, threads, repeats) -> None:
+    for name, value in (("context", context), ("batch", batch), ("q-heads", q_heads), ("kv-heads", kv_heads),
+                        ("head-dim", head_dim), ("repeats", repeats)):
+        if value < 1:
+            raise PnMixError(f"--{name} must be >= 1, got {value}")
+    if q_heads % kv_heads:
+        raise PnMixError(f"--q-heads {q_heads} must be a multiple of --kv-heads {kv_heads}")
+    if threads is not None and threads < 1:
+        raise PnMixError(f"--threads must be >= 1, got {threads}")
+
+
+def _choose_impls(impls: Optional[str], device: str, context: int) -> tuple[List[str], Dict[str, str]]:
+    skipped: Dict[str, str] = {}
+    if impls:
+        names = [part.strip() for part in impls.split(",") if part.strip()]
+        unknown = [name for name in names if name not in ALL_IMPLS]
+        if unknown:
+            raise PnMixError(f"unknown implementation '{unknown[0]}'; choose from {', '.join(ALL_IMPLS)}")
+        return names, skipped
+    names = list(CPU_IMPLS) + (list(GPU_IMPLS) if device != "cpu" else [])
+    if context > REFERENCE_AUTO_LIMIT:
+        names.remove("reference")
+        skipped["reference"] = (f"skipped above {REFERENCE_AUTO_LIMIT} tokens: it dequantizes the whole cache "
+                                "every step (name it in --impls to run it anyway)")
+    return names, skipped
+
+
+def machine_info(device: str, threads: int) -> dict:
+    info = {
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "threads": threads,
+        "torch": torch.__version__,
+        "device": device,
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+    if device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def run_decode_bench(context: int, batch: int = 1, q_heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
+                     threads: Optional[int] = None, device: str = "cpu", impls: Optional[str] = None,
+                     repeats: int = 20, config: Optional[PnMixConfig] = None, seed: int = 0) -> dict:
+    """The benchmark as data: {"results": [...], "skipped": [...], "machine": {...}, ...}."""
+    _check_args(context, batch, q_heads, kv_heads, head_dim, threads, repeats)
+    config = config or PnMixConfig()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    used_threads = threads or torch.get_num_threads()
+    layout = CacheLayout(config, batch, kv_heads, head_dim, context)
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(batch, kv_heads, context, head_dim, generator=g).half()
+    v = torch.randn(batch, kv_heads, context, head_dim, generator=g).half()
+    q = torch.randn(batch, q_heads, 1, head_dim, generator=g).half()
+    start = time.perf_counter()
+    state = fill_cache(layout, k, v, threads)
+    fill_seconds = time.perf_counter() - start
+    ctx = dict(layout=layout, context=context, device=device, k=k, v=v, q=q, state=state, threads=threads)
+
+    names, skipped = _choose_impls(impls, device, context)
+    results = []
+    outputs: Dict[str, torch.Tensor] = {}
+    for name in names:
+        try:
+            fn, where, cache_bytes, read = make_impl(name, ctx)
+            median, cpu, out, runs = time_step(fn, where, repeats)
+        except Skip as why:
+            skipped[name] = str(why)
+            continue
+        outputs[name] = out.float().cpu()
+        results.append({
+            "impl": name, "device": where, "median_ms": median * 1e3, "cpu_ms": cpu * 1e3, "repeats": runs,
+            "cache_bytes": cache_bytes, "bytes_read": read, "gbps": read / median / 1e9,
+        })
+    _add_ratios(results)
+    _add_agreement(results, outputs, ctx)
+    return {
+        "context": context, "batch": batch, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim,
+        "config": config.to_dict(), "fill_seconds": fill_seconds,
+        "dense_fp16_bytes": dense_bytes(layout, context, 2),
+        "packed_bytes": layout.persistent_bytes(context)["persistent_cache_bytes"],
+        "core_isa": ctx.get("core_isa"),
+        "results": results,
+        "skipped": [{"impl": name, "reason": reason} for name, reason in skipped.items()],
+        "machine": machine_info(device, used_threads),
+    }
+
+
+def _add_ratios(results: List[dict]) -> None:
+    by_name = {r["impl"]: r for r in results}
+    dense = [r for r in results if r["impl"] in SDPA_DTYPES]
+    best = min(dense, key=lambda r: r["median_ms"]) if dense else None
+    for r in results:
+        for base in SDPA_DTYPES:
+            if base in by_name:
+                r[f"speedup_vs_{base}"] = by_name[base]["median_ms"] / r["median_ms"]
+        if best is not None:
+            r["best_sdpa"] = best["impl"]
+            r["speedup_vs_best_sdpa"] = best["median_ms"] / r["median_ms"]
+
+
+def _add_agreement(results: List[dict], outputs: Dict[str, torch.Tensor], ctx: dict) -> None:
+    """max |out - reference| for the packed implementations (the reference is computed once if it
+    was not timed and the cache is small enough), and vs dense fp32 SDPA for everyone."""
+    want = outputs.get("reference")
+    if want is None and ctx["context"] <= REFERENCE_AUTO_LIMIT and any(
+            r["impl"] in ("core", "triton", "cuda") for r in results):
+        from . import reference
+
+        want = reference.attend(ctx["q"], ctx["layout"], ctx["state"], ctx["context"])
+    dense = outputs.get("sdpa_fp32")
+    for r in results:
+        out = outputs[r["impl"]]
+        if want is not None and r["impl"] in ("core", "triton", "cuda", "reference"):
+            r["max_abs_diff_vs_reference"] = float((out - want).abs().max())
+        if dense is not None:
+            r["max_abs_diff_vs_sdpa_fp32"] = float((out - dense).abs().max())
+
+
+def _resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise PnMixError(f"--device must be auto, cpu or cuda, got {device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise PnMixError("--device cuda asked for, but torch sees no CUDA device")
+    return device
+
+
+def print_report(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    mb = 1e6
+    table = Table(title=(f"pnmix bench decode: {report['context']} tokens, batch {report['batch']}, "
+                         f"{report['q_heads']} q heads / {report['kv_heads']} kv heads, head dim "
+                         f"{report['head_dim']}, {report['machine']['threads']} threads"))
+    for column in ("impl", "device", "median ms", "cpu ms", "cache MB", "read MB/step", "GB/s", "vs sdpa_fp32",
+                   "vs sdpa_bf16", "vs best sdpa", "max|diff| vs ref"):
+        table.add_column(column, justify="left" if column in ("impl", "device") else "right")
+    for r in report["results"]:
+        def ratio(key: str) -> str:
+            return f"{r[key]:.2f}x" if key in r else "-"
+
+        diff = r.get("max_abs_diff_vs_reference")
+        table.add_row(r["impl"], r["device"], f"{r['median_ms']:.3f}", f"{r['cpu_ms']:.3f}", f"{r['cache_bytes'] / mb:.2f}",
+                      f"{r['bytes_read'] / mb:.2f}", f"{r['gbps']:.2f}", ratio("speedup_vs_sdpa_fp32"),
+                      ratio("speedup_vs_sdpa_bf16"), ratio("speedup_vs_best_sdpa"),
+                      "-" if diff is None else f"{diff:.2g}")
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)
+    console.print(table)
+    best = next((r["best_sdpa"] for r in report["results"] if "best_sdpa" in r), None)
+    if best:
+        console.print(f"best dense baseline: {best}")
+    ratio = report["dense_fp16_bytes"] / report["packed_bytes"]
+    console.print(f"packed cache {report['packed_bytes'] / mb:.2f} MB vs fp16 {report['dense_fp16_bytes'] / mb:.2f} MB "
+                  f"({ratio:.2f}x smaller); core kernel: {report['core_isa'] or '-'}; "
+                  f"cache filled in {report['fill_seconds']:.1f} s; load average "
+                  f"{', '.join(f'{x:.1f}' for x in report['machine']['load_average'] or [])}")
+    for s in report["skipped"]:
+        console.print(f"[yellow]skipped[/] {s['impl']}: {s['reason']}", highlight=False)
+
+
+def decode_command(context: int, batch: int, q_heads: int, kv_heads: int, head_dim: int, threads: Optional[int],
+                   device: str, impls: Optional[str], repeats: int, config: Optional[Path],
+                   json_path: Optional[Path]) -> int:
+    """The CLI's `pnmix bench decode` (pnmix/cli.py): print the table, write JSON, return 0."""
+    from .manifest import load_manifest
+
+    cfg = run_config(load_manifest(None), config).config
+    report = run_decode_bench(context, batch, q_heads, kv_heads, head_dim, threads, _resolve_device(device),
+                              impls, repeats, cfg)
+    print_report(report)
+    if json_path is not None:
+        from .io import write_json_atomic
+
+        write_json_atomic(json_path, report)
+    return 0

@@ -1,0 +1,302 @@
+"""libpnmix_core (the C++ core) against the PyTorch reference: bytes, attention, bad input.
+
+Skips with the reason when the library is not built (build: cmake -S plugins -B build/dev &&
+cmake --build build/dev, or pip install .).
+"""
+
+import ctypes
+import math
+
+import pytest
+import torch
+
+from pnmix import format as fmt
+from pnmix import reference
+from pnmix._native import library_status
+from pnmix.cache import append_reference
+from pnmix.config import CONFIG_FIELDS, PnMixConfig
+from pnmix.errors import PnMixError
+from pnmix.format import STATE_NAMES, CacheLayout
+
+available, reason = library_status("pnmix_core")
+if not available:
+    pytest.skip(f"libpnmix_core not available: {reason}", allow_module_level=True)
+
+from pnmix.backends import core_ops  # noqa: E402  (needs the library)
+from pnmix.backends.core_ops import CoreOps  # noqa: E402
+
+CONFIGS = {
+    "manifest": PnMixConfig(),
+    "other": PnMixConfig(pair_layout="half", key_high_bits=4, key_low_bits=2, value_bits=4,
+                         group_size=64, residual_size=96, sink_tokens=8, high_ratio=0.25),
+    # odd widths straddle bytes; value blocks narrower than a vector; no sink; R > gs + 8
+    "odd": PnMixConfig(key_high_bits=5, key_low_bits=7, value_bits=3, value_group_size=8, group_size=24,
+                       residual_size=40, sink_tokens=0, high_ratio=0.7),
+    "eight": PnMixConfig(key_high_bits=8, key_low_bits=6, value_bits=8, group_size=16, residual_size=16,
+                         sink_tokens=3, high_ratio=1.0),
+    # widths whose 16-code chunks span more than 64 bits (the AVX-512 kernel's two-word decode)
+    "wide": PnMixConfig(key_high_bits=7, key_low_bits=5, value_bits=5, group_size=32, residual_size=32,
+                        sink_tokens=2, high_ratio=0.5),
+    "one_bit": PnMixConfig(key_high_bits=1, key_low_bits=1, value_bits=1, group_size=32, residual_size=48,
+                           sink_tokens=5, high_ratio=0.0, value_group_size=16),
+}
+
+
+def kv(batch, heads, n, dim, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return ((torch.randn(batch, heads, n, dim, generator=g) * scale).half(),
+            (torch.randn(batch, heads, n, dim, generator=g) * scale).half())
+
+
+def run_schedule(ops_append, layout, chunks, k, v):
+    state = layout.empty_state()
+    seq_len = 0
+    for n in chunks:
+        ops_append(layout, state, seq_len, k[:, :, seq_len:seq_len + n], v[:, :, seq_len:seq_len + n])
+        seq_len += n
+    return state, seq_len
+
+
+@pytest.fixture(scope="module")
+def ops():
+    return CoreOps()
+
+
+def test_c_config_struct_follows_config_fields():
+    assert [name for name, _ in core_ops.CConfig._fields_] == list(CONFIG_FIELDS)
+    # params.h: a double then eight int32 (no padding), then four int64
+    assert ctypes.sizeof(core_ops.CConfig) == 40 and ctypes.sizeof(core_ops.CLayout) == 72
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("chunks", [[300], [1] * 90, [37, 1, 1, 64, 5, 130, 2], [7, 200, 1, 1, 1]])
+def test_append_bytes_identical_to_reference(ops, name, chunks):
+    config = CONFIGS[name]
+    total = sum(chunks)
+    layout = CacheLayout(config, 2, 3, 16, total)
+    k, v = kv(2, 3, total, 16, seed=total + len(chunks))
+    ours, n = run_schedule(ops.append, layout, chunks, k, v)
+    ref, _ = run_schedule(append_reference, layout, chunks, k, v)
+    for key in STATE_NAMES:
+        assert torch.equal(ours[key], ref[key]), f"{key} differs ({name}, {chunks})"
+    assert fmt.dump_state(layout, ours, n) == fmt.dump_state(layout, ref, n)
+
+
+def test_append_edge_values_identical(ops):
+    """Constant channels (step 0), huge values (saturating fp16 steps), subnormals, zeros."""
+    config = PnMixConfig(group_size=16, residual_size=16, sink_tokens=0)
+    layout = CacheLayout(config, 1, 2, 16, 64)
+    k, v = kv(1, 2, 64, 16, seed=3)
+    k[:, :, :, 0] = 1.5  # constant channel -> step 0 -> codes 0
+    k[:, 0, :8, 3] = 65504.0
+    k[:, 0, 8:16, 3] = -65504.0  # max - min overflows fp16: step saturates
+    v[:, 1, :, 4:8] = torch.tensor(6e-8).half()  # subnormal fp16
+    v[:, 1, 5, :] = 0.0
+    ours, _ = run_schedule(ops.append, layout, [64], k, v)
+    ref, _ = run_schedule(append_reference, layout, [64], k, v)
+    for key in STATE_NAMES:
+        assert torch.equal(ours[key], ref[key]), key
+
+
+@pytest.mark.parametrize("name", ["manifest", "other", "odd", "wide", "eight", "one_bit"])
+def test_attention_within_tolerance_of_reference(ops, name):
+    config = CONFIGS[name]
+    seq_len, n_new = 700, 5
+    layout = CacheLayout(config, 2, 2, 32, seq_len)
+    k, v = kv(2, 2, seq_len + n_new, 32, seed=11)
+    state, _ = run_schedule(append_reference, layout, [500, 1, 199], k[:, :, :seq_len], v[:, :, :seq_len])
+    k_new, v_new = k[:, :, seq_len:], v[:, :, seq_len:]
+    q = torch.randn(2, 8, 4, 32, generator=torch.Generator().manual_seed(5)).half()
+    expected = reference.attend(q, layout, state, seq_len, k_new, v_new)
+    isas = ["scalar", "avx2", "avx512", "avx512vbmi"]
+    for isa in isas:
+        try:
+            ops.set_isa(isa)
+        except PnMixError:
+            continue  # this CPU lacks it
+        for threads in (1, 3):
+            ops.threads = threads
+            got = ops.attend(q, layout, state, seq_len, k_new, v_new)
+            assert (got - expected).abs().max().item() <= 1e-3, (isa, threads)
+        # decode shape: one query, no new tokens; fp32 query
+        got = ops.attend(q[:, :, -1:].float(), layout, state, seq_len, None, None)
+        want = reference.attend(q[:, :, -1:].float(), layout, state, seq_len)
+        assert (got - want).abs().max().item() <= 1e-3, isa
+    ops.set_isa("auto")
+    ops.threads = 0
+
+
+def test_attention_prefill_and_causality(ops):
+    """Empty cache: causal attention over the new tokens alone; each query sees only its past."""
+    layout = CacheLayout(CONFIGS["manifest"], 1, 2, 32, 64)
+    state = layout.empty_state()
+    k, v = kv(1, 2, 40, 32, seed=2)
+    q = torch.randn(1, 4, 40, 32).half()
+    got = ops.attend(q, layout, state, 0, k, v)
+    assert (got - reference.attend(q, layout, state, 0, k, v)).abs().max().item() <= 1e-3
+    # the first query sees only key 0: its output is exactly value 0
+    assert torch.allclose(got[0, 0, 0], v[0, 0, 0].float(), atol=1e-6)
+
+
+def test_fp16_conversions_exhaustive(ops):
+    lib = ops.lib
+    every_half = torch.arange(65536, dtype=torch.int32).to(torch.int16)
+    as_float = torch.empty(65536, dtype=torch.float32)
+    core_ops.check(lib, lib.pnmix_half_to_float(every_half.data_ptr(), as_float.data_ptr(), 65536))
+    expected = every_half.view(torch.float16).float()
+    same = (as_float == expected) | (as_float.isnan() & expected.isnan())
+    assert bool(same.all())
+    g = torch.Generator().manual_seed(0)
+    floats = torch.cat([
+        torch.randn(200000, generator=g) * 10.0 ** torch.randint(-9, 6, (200000,), generator=g),
+        expected[~expected.isnan()],  # exact halves
+        (expected[~expected.isnan() & expected.isfinite()].double() * (1 + 2.0 ** -11)).float(),  # ties
+        torch.tensor([65504.0, 65519.0, 65520.0, 1e9, -1e9, math.inf, -math.inf, 2.0 ** -25, 2.0 ** -26]),
+    ])
+    for saturating in (0, 1):
+        out = torch.empty(floats.numel(), dtype=torch.int16)
+        core_ops.check(lib, lib.pnmix_float_to_half(floats.data_ptr(), out.data_ptr(), floats.numel(), saturating))
+        want = (floats.clamp(-65504, 65504) if saturating else floats).to(torch.float16).view(torch.int16)
+        assert torch.equal(out, want), f"saturating={saturating}"
+
+
+# ---- the .pnkv dump through the C decoder ---------------------------------------------------
+
+
+def make_cache(config=CONFIGS["other"], seq_len=300):
+    layout = CacheLayout(config, 2, 2, 32, seq_len)
+    k, v = kv(2, 2, seq_len, 32, seed=9)
+    state, n = run_schedule(append_reference, layout, [seq_len - 3, 1, 2], k, v)
+    return layout, state, n
+
+
+def test_dump_write_and_read_match_python():
+    layout, state, n = make_cache()
+    blob = fmt.dump_state(layout, state, n)
+    assert core_ops.dump_state(layout, state, n) == blob
+    lay2, state2, n2 = core_ops.load_state(blob)
+    assert (n2, lay2.config, lay2.batch, lay2.kv_heads, lay2.head_dim) == (n, layout.config, 2, 2, 32)
+    assert fmt.dump_state(lay2, state2, n2) == blob
+
+
+def _corrupt(blob: bytes, offset: int, data: bytes) -> bytes:
+    return blob[:offset] + data + blob[offset + len(data):]
+
+
+@pytest.mark.parametrize("mutation, message", [
+    (lambda b: b[:40], "too short"),
+    (lambda b: b[:-1], "size mismatch"),
+    (lambda b: b + b"\0", "size mismatch"),
+    (lambda b: _corrupt(b, 0, b"PNKX"), "magic"),
+    (lambda b: _corrupt(b, 4, b"\x02\x00"), "version"),
+    (lambda b: _corrupt(b, 27, b"\x07"), "pair_layout"),
+    (lambda b: _corrupt(b, 8, (12).to_bytes(4, "little")), "group_size"),  # not a multiple of 8
+    (lambda b: _corrupt(b, 52, (301).to_bytes(8, "little")), "size mismatch"),  # seq_len vs sections
+    (lambda b: _corrupt(b, 28, (3).to_bytes(4, "little")), "size mismatch"),  # batch vs sections
+    (lambda b: _corrupt(b, 52, (1 << 50).to_bytes(8, "little")), "implausible"),
+    (lambda b: _corrupt(b, 36, (31).to_bytes(4, "little")), "head_dim"),
+])
+def test_dump_with_inconsistent_header_fails_cleanly(mutation, message):
+    layout, state, n = make_cache()
+    bad = mutation(fmt.dump_state(layout, state, n))
+    with pytest.raises(PnMixError, match=message):
+        core_ops.load_state(bad)
+
+
+# ---- bad input through the raw C ABI ---------------------------------------------------------
+
+
+@pytest.fixture
+def abi():
+    lib = core_ops.core_library()
+    layout = CacheLayout(CONFIGS["manifest"], 1, 2, 32, 400)
+    state = layout.empty_state()
+    return lib, layout, core_ops.c_layout(layout), state, core_ops.c_state(state)
+
+
+def _error(lib, status):
+    assert status != 0
+    message = lib.pnmix_last_error().decode()
+    assert message and "\n" not in message
+    return status, message
+
+
+def test_null_pointers_rejected(abi):
+    lib, layout, lay, state, st = abi
+    k, v = kv(1, 2, 4, 32, seed=0)
+    code, msg = _error(lib, lib.pnmix_append(None, ctypes.byref(st), 0, k.data_ptr(), v.data_ptr(), 4, k.numel() * 2))
+    assert code == 1 and "layout" in msg
+    code, msg = _error(lib, lib.pnmix_append(ctypes.byref(lay), None, 0, k.data_ptr(), v.data_ptr(), 4, k.numel() * 2))
+    assert code == 1 and "state" in msg
+    code, msg = _error(lib, lib.pnmix_append(ctypes.byref(lay), ctypes.byref(st), 0, None, v.data_ptr(), 4, k.numel() * 2))
+    assert code == 1
+    st.data[4] = None
+    code, msg = _error(lib, lib.pnmix_append(ctypes.byref(lay), ctypes.byref(st), 0, k.data_ptr(), v.data_ptr(), 4, k.numel() * 2))
+    assert code == 1 and "key_codes" in msg
+    out = torch.empty(1, 4, 1, 32)
+    code, _ = _error(lib, lib.pnmix_attend(ctypes.byref(lay), ctypes.byref(core_ops.c_state(state)), 4, None, 0, 4, 1,
+                                           4 * 32 * 2, None, None, 0, 0, out.data_ptr(), out.numel() * 4, 1))
+    assert code == 1
+    code, _ = _error(lib, lib.pnmix_dump_header(None, 64, ctypes.byref(lay), None))
+    assert code == 1
+
+
+def test_wrong_sizes_rejected(abi):
+    lib, layout, lay, state, st = abi
+    k, v = kv(1, 2, 4, 32, seed=0)
+    code, msg = _error(lib, lib.pnmix_append(ctypes.byref(lay), ctypes.byref(st), 0, k.data_ptr(), v.data_ptr(), 4, k.numel() * 2 - 2))
+    assert code == 3 and "bytes" in msg
+    st.nbytes[0] -= 2
+    code, msg = _error(lib, lib.pnmix_append(ctypes.byref(lay), ctypes.byref(st), 0, k.data_ptr(), v.data_ptr(), 4, k.numel() * 2))
+    assert code == 3 and "sink_k" in msg
+    st = core_ops.c_state(state)
+    q = torch.randn(1, 4, 1, 32).half()
+    out = torch.empty(1, 4, 1, 32)
+    args = dict(seq_len=0, q_heads=4, nq=1, q_bytes=q.numel() * 2, n_new=0, new_bytes=0, out_bytes=out.numel() * 4)
+
+    def attend(**changes):
+        a = {**args, **changes}
+        return lib.pnmix_attend(ctypes.byref(lay), ctypes.byref(st), a["seq_len"], q.data_ptr(), 0, a["q_heads"],
+                                a["nq"], a["q_bytes"], None, None, a["n_new"], a["new_bytes"], out.data_ptr(),
+                                a["out_bytes"], 1)
+
+    assert _error(lib, attend())[1].startswith("nq 1 outside")  # nothing to attend to
+    assert "q_heads" in _error(lib, attend(seq_len=4, q_heads=3))[1]
+    assert "q buffer" in _error(lib, attend(seq_len=4, q_bytes=10))[1]
+    assert "out buffer" in _error(lib, attend(seq_len=4, out_bytes=8))[1]
+    assert "seq_len" in _error(lib, attend(seq_len=401))[1]
+    assert "new K/V" in _error(lib, attend(seq_len=4, new_bytes=2))[1]
+    assert attend(seq_len=4) == 0
+
+
+def test_capacity_and_config_errors(abi, ops):
+    lib, layout, lay, state, st = abi
+    k, v = kv(1, 2, 10, 32, seed=0)
+    code, msg = _error(lib, lib.pnmix_append(ctypes.byref(lay), ctypes.byref(st), 395, k.data_ptr(), v.data_ptr(), 10, k.numel() * 2))
+    assert code == 4 and "capacity" in msg
+    lay.config.group_size = 12
+    code, msg = _error(lib, lib.pnmix_append(ctypes.byref(lay), ctypes.byref(st), 0, k.data_ptr(), v.data_ptr(), 10, k.numel() * 2))
+    assert code == 2 and "group_size" in msg
+    lay = core_ops.c_layout(layout)
+    lay.head_dim = 31
+    assert "head_dim" in _error(lib, lib.pnmix_state_bytes(ctypes.byref(lay), (ctypes.c_int64 * 11)()))[1]
+    # through the backend: one-line PnMixError
+    with pytest.raises(PnMixError, match="capacity exceeded"):
+        ops.append(layout, state, 395, k, v)
+    with pytest.raises(PnMixError, match="CPU tensors|contiguous"):
+        ops.append(layout, {**state, "key_step": state["key_step"].transpose(2, 3)}, 0, k, v)
+
+
+def test_state_bytes_match_python_layout():
+    lib = core_ops.core_library()
+    for config in CONFIGS.values():
+        layout = CacheLayout(config, 3, 2, 48 if config.value_group_size <= 48 else 32, 1000)
+        sizes = (ctypes.c_int64 * 11)()
+        core_ops.check(lib, lib.pnmix_state_bytes(ctypes.byref(core_ops.c_layout(layout)), sizes))
+        shapes = layout.state_shapes()
+        for i, name in enumerate(STATE_NAMES):
+            assert sizes[i] == math.prod(shapes[name]) * fmt.STATE_DTYPES[name].itemsize, name
+        for seq_len in (0, 1, 37, 999, 1000):
+            out = ctypes.c_int64()
+            core_ops.check(lib, lib.pnmix_persistent_bytes(ctypes.byref(core_ops.c_layout(layout)), seq_len, ctypes.byref(out)))
+            assert out.value == layout.persistent_bytes(seq_len)["persistent_cache_bytes"]
