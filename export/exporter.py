@@ -82,7 +82,9 @@ def build_model(config: PnMixConfig, max_seq_len: int = 4096, batch: int = 1, se
     # seq_len + new_len - n.
     n = b.op("Gather", b.op("Shape", "tokens"), b.const(1), axis=0)
     start = b.op("Sub", b.op("Add", "seq_len", "new_len"), n)
-    positions = b.op("Range", start, b.op("Add", start, n), b.const(1))
+    # Range over n alone, then shift: the Range's length then depends on the input shape only,
+    # so TensorRT keeps seq_len/new_len as ordinary execution tensors, not shape inputs.
+    positions = b.op("Add", b.op("Range", b.const(0), n, b.const(1)), start)
     cos_n = b.op("Gather", "rope_cos", positions, axis=0)  # [n, P]
     sin_n = b.op("Gather", "rope_sin", positions, axis=0)
 

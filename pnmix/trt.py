@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -116,50 +115,12 @@ def load_plugins(trt, plugins: Path) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ModelInfo:
-    """What an exported file says about itself (from its metadata and node attributes)."""
-
-    config: Any  # PnMixConfig
-    capacity: int
-    batch: int
-    seed: int
-
-
 def read_onnx(path: Path):
-    import onnx
+    """The exported file, checked by the exporter's loader (format, external-data locations,
+    pn-mix interface): (model, pnmix.export.modelfile.ModelInfo)."""
+    from .export.modelfile import load_checked
 
-    path = Path(path)
-    if not path.exists():
-        raise PnMixError(f"ONNX model not found: {path}")
-    if path.is_dir():
-        raise PnMixError(f"ONNX model path is a directory: {path}")
-    try:
-        return onnx.load_model(str(path), load_external_data=False)
-    except Exception as exc:  # onnx raises DecodeError, ValueError, ... on garbage
-        raise PnMixError(f"{path} is not a readable ONNX model: {type(exc).__name__}: {exc}") from None
-
-
-def model_info(model) -> ModelInfo:
-    """Config, capacity, batch and seed of a pnmix export; errors say what is missing."""
-    from .export import ops
-
-    meta = {p.key: p.value for p in model.metadata_props}
-    if meta.get("pnmix.format_version") != "1":
-        raise PnMixError("the ONNX model is not a pnmix export (no pnmix.format_version 1 metadata); "
-                         "make it with `pnmix export`")
-    nodes = {node.op_type: node for node in model.graph.node if node.domain == ops.DOMAIN}
-    for op in (ops.ATTENTION_OP, ops.APPEND_OP):
-        if op not in nodes:
-            raise PnMixError(f"the ONNX model has no {op} node in domain '{ops.DOMAIN}'")
-    config = ops.config_from_attributes(nodes[ops.ATTENTION_OP])
-    if ops.config_from_attributes(nodes[ops.APPEND_OP]) != config:
-        raise PnMixError(f"the ONNX model's {ops.ATTENTION_OP} and {ops.APPEND_OP} nodes carry different configs")
-    try:
-        capacity, batch, seed = (int(meta[f"pnmix.{key}"]) for key in ("max_seq_len", "batch", "seed"))
-    except (KeyError, ValueError):
-        raise PnMixError("the ONNX model's pnmix metadata lacks max_seq_len, batch or seed") from None
-    return ModelInfo(config, capacity, batch, seed)
+    return load_checked(Path(path))
 
 
 def prepare_onnx(model):
@@ -266,9 +227,8 @@ def build_engine(model: Path, plugins: Path, output: Path, fp16: bool = False, b
 
     plugins = check_plugin_path(plugins)
     precision = _precision_note(fp16, bf16)
-    onnx_model = read_onnx(model)
-    info = model_info(onnx_model)
-    shapes = profile_shapes(info.capacity, info.batch, max_seq_len)
+    onnx_model, info = read_onnx(model)
+    shapes = profile_shapes(info.max_seq_len, info.batch, max_seq_len)
     prepared = prepare_onnx(onnx_model).SerializeToString()
 
     trt = import_tensorrt()
@@ -285,7 +245,7 @@ def build_engine(model: Path, plugins: Path, output: Path, fp16: bool = False, b
     config = builder.create_builder_config()
     # Refittable, so that `pnmix verify --engine` can run every seed's weights through one engine.
     config.set_flag(trt.BuilderFlag.REFIT)
-    _add_profiles(trt, builder, network, config, shapes, info.capacity)
+    _add_profiles(trt, builder, network, config, shapes, info.max_seq_len)
     serialized = builder.build_serialized_network(network, config)
     if serialized is None:
         raise PnMixError(f"TensorRT could not build the engine: {log.last_error or 'see the log above'}")
@@ -296,7 +256,7 @@ def build_engine(model: Path, plugins: Path, output: Path, fp16: bool = False, b
         "onnx": str(Path(model).resolve()),
         "plugins": str(Path(plugins).resolve()),
         "config": info.config.to_dict(),
-        "capacity": info.capacity,
+        "capacity": info.max_seq_len,
         "batch": info.batch,
         "seed": info.seed,
         "precision": precision,

@@ -66,15 +66,16 @@ def test_prepare_drops_our_functions_and_orders_the_append_after_the_attention(e
     onnx.checker.check_model(prepared)
 
 
-def test_model_info_reads_config_capacity_batch_and_seed(exported):
-    info = trt.model_info(onnx.load(str(exported[0])))
-    assert info == trt.ModelInfo(PnMixConfig(), 512, 1, 42)
+def test_read_onnx_gives_config_capacity_batch_and_seed(exported):
+    _, info = trt.read_onnx(exported[0])
+    assert (info.config, info.max_seq_len, info.batch, info.seed) == (PnMixConfig(), 512, 1, 42)
 
 
-def test_model_info_refuses_a_foreign_model():
-    graph = onnx.helper.make_graph([], "g", [], [])
+def test_read_onnx_refuses_a_foreign_model(tmp_path):
+    path = tmp_path / "foreign.onnx"
+    onnx.save(onnx.helper.make_model(onnx.helper.make_graph([], "g", [], [])), str(path))
     with pytest.raises(PnMixError, match="not a pnmix export"):
-        trt.model_info(onnx.helper.make_model(graph))
+        trt.read_onnx(path)
 
 
 def test_profiles_cover_decode_and_prefill():
@@ -114,7 +115,7 @@ def test_build_engine_bad_options(exported, tmp_path, flags, needle):
 def test_build_engine_missing_files(exported, tmp_path):
     model, plugins = exported
     code, text = run_cli("build-engine", tmp_path / "nope.onnx", "--plugins", plugins, "-o", tmp_path / "m.plan")
-    assert code == 2 and "ONNX model not found" in one_line_error(text)
+    assert code == 2 and "ONNX model file not found" in one_line_error(text)
     code, text = run_cli("build-engine", model, "--plugins", tmp_path / "nope.so", "-o", tmp_path / "m.plan")
     assert code == 2 and "plugin library not found" in one_line_error(text)
     garbage = tmp_path / "garbage.onnx"

@@ -8,7 +8,7 @@ from ..config import PnMixConfig
 from ..errors import PnMixError
 from .base import Backend, CacheOps, OpsBackend
 
-OPS_BACKENDS = ("torch", "core", "triton")
+OPS_BACKENDS = ("torch", "core", "triton", "cuda")
 ALL_BACKENDS = OPS_BACKENDS + ("onnx", "engine")
 
 
@@ -25,6 +25,10 @@ def make_ops(name: str, device: str = "cpu") -> CacheOps:
         from .triton_ops import TritonOps
 
         return TritonOps(device)
+    if name == "cuda":
+        from ..cuda_ops import CudaOps
+
+        return CudaOps(device)
     raise PnMixError(f"unknown backend '{name}'; choose one of {', '.join(OPS_BACKENDS)}")
 
 
