@@ -123,6 +123,10 @@ def reproduce(
     from .protocol import aggregate, run_record
     from .verify import run_seeds
 
+    if json_path is not None:
+        from .io import check_output_path
+
+        check_output_path(json_path)
     data = load_manifest(manifest)
     run = run_config(data, config)
     seed_list = parse_seeds(seeds, data["seeds"])
@@ -157,7 +161,7 @@ def reproduce(
 @app.command()
 @one_line_errors
 def verify(
-    backend: Optional[str] = typer.Option(None, help="torch, core or triton."),
+    backend: Optional[str] = typer.Option(None, help="torch, core, triton or cuda."),
     onnx: Optional[Path] = typer.Option(None, help="Verify this ONNX file with ONNX Runtime."),
     engine: Optional[Path] = typer.Option(None, help="Verify this TensorRT engine (plan)."),
     plugins: Optional[Path] = typer.Option(None, help="The TensorRT plugin library, with --engine."),
@@ -183,10 +187,18 @@ def verify(
         device = "cuda"
     else:
         name = backend or ""
-        if name not in ("torch", "core", "triton"):
-            raise PnMixError(f"--backend must be torch, core or triton, got {name!r}")
+        from .backends import OPS_BACKENDS
+
+        if name not in OPS_BACKENDS:
+            raise PnMixError(f"--backend must be one of {', '.join(OPS_BACKENDS)}, got {name!r}")
+        if name == "cuda" and device == "cpu":
+            device = "cuda"  # the CUDA kernels run on the GPU only
     if name != "engine":
         check_device(device)
+    if json_path is not None:
+        from .io import check_output_path
+
+        check_output_path(json_path)
     data = load_manifest(manifest)
     run = run_config(data, config)
     report = run_verify(name, run, data, parse_seeds(seeds, data["seeds"]), device, **options)

@@ -17,6 +17,9 @@ from typing import Any, Mapping
 from .errors import PnMixError
 
 PAIR_LAYOUTS = ("adjacent", "half")
+# Largest sink_tokens, residual_size and group_size: the C core and the plugins' field parser
+# refuse more (plugins/include/pnmix/format.h), so a config valid here is valid everywhere.
+MAX_TOKENS_FIELD = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -45,10 +48,12 @@ class PnMixConfig:
             if value < lo or (hi is not None and value > hi):
                 allowed = f"{lo}..{hi}" if hi is not None else f">= {lo}"
                 raise PnMixError(f"config field '{name}' must be {allowed}{extra}, got {value}")
+            if value > 2**31 - 1:  # the C ABI and the TensorRT plugin fields hold int32
+                raise PnMixError(f"config field '{name}' must fit in int32 (<= 2147483647), got {value}")
             return value
 
         ratio = self.high_ratio
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not math.isfinite(ratio):
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or (isinstance(ratio, float) and not math.isfinite(ratio)):
             raise PnMixError(f"config field 'high_ratio' must be a number in [0, 1], got {ratio!r}")
         if not 0.0 <= ratio <= 1.0:
             raise PnMixError(f"config field 'high_ratio' must be in [0, 1], got {ratio}")
@@ -61,6 +66,9 @@ class PnMixConfig:
                 f"config field 'residual_size' must be >= group_size ({group}), got {residual}"
             )
         need_int("sink_tokens", 0)
+        for name in ("group_size", "residual_size", "sink_tokens"):
+            if getattr(self, name) > MAX_TOKENS_FIELD:
+                raise PnMixError(f"config field '{name}' must be <= {MAX_TOKENS_FIELD}, got {getattr(self, name)}")
         need_int("value_bits", 1, 8)
         need_int("value_group_size", 1)
         need_int("key_high_bits", 1, 8)

@@ -146,6 +146,11 @@ class CacheLayout:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PnMixError(f"{name} must be a positive integer, got {value!r}")
         self.config.check_head_dim(self.head_dim)
+        # The C core's limits (plugins/include/pnmix/format.h layout_error), so every backend
+        # takes the same layouts.
+        for name, most in (("batch", 1 << 20), ("kv_heads", 4096), ("head_dim", 4096), ("max_seq_len", 1 << 40)):
+            if getattr(self, name) > most:
+                raise PnMixError(f"{name} must be <= {most}, got {getattr(self, name)}")
 
     # ---- derived sizes -------------------------------------------------------------------
     @property
@@ -216,10 +221,18 @@ class CacheLayout:
         }
 
     def empty_state(self, device: torch.device | str = "cpu") -> Dict[str, torch.Tensor]:
-        return {
-            name: torch.zeros(shape, dtype=STATE_DTYPES[name], device=device)
-            for name, shape in self.state_shapes().items()
-        }
+        shapes = self.state_shapes()
+        try:
+            return {name: torch.zeros(shape, dtype=STATE_DTYPES[name], device=device)
+                    for name, shape in shapes.items()}
+        except RuntimeError as exc:  # out of memory, or a size torch cannot even represent
+            need = sum(math.prod(shape) * STATE_DTYPES[name].itemsize for name, shape in shapes.items())
+            raise PnMixError(
+                f"cannot allocate the cache state: {need} bytes for batch {self.batch}, kv_heads "
+                f"{self.kv_heads}, head_dim {self.head_dim}, max_seq_len {self.max_seq_len}, sink_tokens "
+                f"{self.config.sink_tokens}, residual_size {self.config.residual_size} on {device} "
+                f"({' '.join(str(exc).split())[:120]})"
+            ) from None
 
     def used_slices(self, seq_len: int) -> Dict[str, Tuple[slice, ...]]:
         """Index of the persistent (used) part of each state tensor at seq_len tokens."""
@@ -311,6 +324,8 @@ DUMP_VERSION = 1
 # high_ratio, seq_len, reserved (64 bytes in all)
 _DUMP_HEADER = struct.Struct("<4sHHIIIIBBBBIIIIdQI")
 DUMP_HEADER_BYTES = _DUMP_HEADER.size
+# Unused sink/residual capacity a loaded state may add beyond the file's own bytes.
+DUMP_SLACK_BYTES = 1 << 30
 
 
 def _dump_sections(layout: CacheLayout, seq_len: int) -> Iterator[Tuple[str, Tuple[int, ...]]]:
@@ -350,6 +365,8 @@ def load_state(blob: bytes) -> Tuple[CacheLayout, Dict[str, torch.Tensor], int]:
         raise PnMixError(f"not a pnkv dump: magic {magic!r}, expected {DUMP_MAGIC!r}")
     if version != DUMP_VERSION or header_bytes != DUMP_HEADER_BYTES:
         raise PnMixError(f"unsupported pnkv dump version {version} (header {header_bytes} bytes)")
+    if _reserved or _reserved2:
+        raise PnMixError(f"pnkv dump has non-zero reserved header fields ({_reserved}, {_reserved2})")
     if layout_index >= len(PAIR_LAYOUTS):
         raise PnMixError(f"pnkv dump has an unknown pair_layout code {layout_index}")
     if seq_len > 1 << 40:
@@ -361,6 +378,16 @@ def load_state(blob: bytes) -> Tuple[CacheLayout, Dict[str, torch.Tensor], int]:
         key_low_bits=key_low_bits,
     )
     layout = CacheLayout(config, batch, kv_heads, head_dim, max(seq_len, 1))
+    # The state holds full sink/residual rows; a 64-byte header must not make us allocate
+    # (or overflow torch's size arithmetic on) more than the file plus a bounded slack.
+    capacity = sum(math.prod(shape) * STATE_DTYPES[name].itemsize
+                   for name, shape in layout.state_shapes().items())
+    if capacity > len(blob) + DUMP_SLACK_BYTES:
+        raise PnMixError(
+            f"pnkv dump header describes a {capacity}-byte state for a {len(blob)}-byte file "
+            f"(batch {batch}, kv_heads {kv_heads}, head_dim {head_dim}, sink_tokens {sink_tokens}, "
+            f"residual_size {residual_size}): implausible, refusing to allocate it"
+        )
     sections = list(_dump_sections(layout, seq_len))
     expected = DUMP_HEADER_BYTES + sum(
         math.prod(shape) * torch.empty(0, dtype=STATE_DTYPES[name]).element_size()
@@ -380,4 +407,22 @@ def load_state(blob: bytes) -> Tuple[CacheLayout, Dict[str, torch.Tensor], int]:
             raw = torch.frombuffer(bytearray(blob[cursor:cursor + nbytes]), dtype=torch.uint8)
             state[name][used[name]] = raw.view(dtype).reshape(shape)
         cursor += nbytes
+    if seq_len:
+        _check_pair_mask(layout, state["pair_mask"])
     return layout, state, seq_len
+
+
+def _check_pair_mask(layout: CacheLayout, mask: torch.Tensor) -> None:
+    """Key group offsets follow from the mask, so a mask with the wrong number of high pairs
+    would make every reader walk the codes at the wrong offsets (docs/FORMAT.md 3.2)."""
+    bits = unpack_codes(mask, 1, mask.shape[-1] * 8)
+    used = layout.kv_heads * layout.pairs
+    if bits[:, used:].any():
+        raise PnMixError("pnkv dump's pair_mask has set bits past the last pair (must be 0)")
+    high = bits[:, :used].reshape(-1, layout.kv_heads, layout.pairs).sum(-1)
+    want = layout.config.high_pairs(layout.head_dim)
+    if (high != want).any():
+        raise PnMixError(
+            f"pnkv dump's pair_mask marks {int(high[high != want][0])} high pairs in a KV head, "
+            f"the config (high_ratio {layout.config.high_ratio}) gives {want}"
+        )

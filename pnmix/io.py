@@ -11,13 +11,20 @@ from typing import Any
 from .errors import PnMixError
 
 
-def write_bytes_atomic(path: str | Path, data: bytes) -> Path:
+def check_output_path(path: str | Path) -> Path:
+    """Fail early (before a long run) when an output could not be written; returns its folder."""
     path = Path(path)
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
         raise PnMixError(f"output folder does not exist: {folder}")
     if path.is_dir():
         raise PnMixError(f"output path is a directory: {path}")
+    return folder
+
+
+def write_bytes_atomic(path: str | Path, data: bytes) -> Path:
+    path = Path(path)
+    folder = check_output_path(path)
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
     except OSError as exc:

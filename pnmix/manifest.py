@@ -44,14 +44,26 @@ def load_manifest(path: Optional[str | Path] = None) -> Dict[str, Any]:
     if not isinstance(data["metrics"], dict):
         raise PnMixError(f"manifest {where}: 'metrics' must be an object")
     for name, entry in data["metrics"].items():
-        if not isinstance(entry, dict) or not isinstance(entry.get("mean"), (int, float)):
-            raise PnMixError(f"manifest {where}: metric '{name}' needs a numeric 'mean'")
+        if not isinstance(entry, dict) or not _finite_number(entry.get("mean")):
+            raise PnMixError(f"manifest {where}: metric '{name}' needs a finite numeric 'mean'")
+        if "std" in entry and not _finite_number(entry["std"]):
+            raise PnMixError(f"manifest {where}: metric '{name}' has a 'std' that is not a finite number")
     seeds = data["seeds"]
     if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
         raise PnMixError(f"manifest {where}: 'seeds' must be a non-empty list of integers")
     if not isinstance(data["protocol"], dict):
         raise PnMixError(f"manifest {where}: 'protocol' must be an object")
     return data
+
+
+def _finite_number(value: Any) -> bool:
+    """A JSON number usable in float arithmetic: not a bool, not NaN/Inf, not an int beyond float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
 
 
 def manifest_run_config(manifest: Mapping[str, Any]) -> RunConfig:

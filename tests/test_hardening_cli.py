@@ -1,0 +1,407 @@
+"""Every command, given a missing, unreadable, truncated or malformed file or a bad option value,
+exits non-zero with ONE line naming the problem, never a traceback; and a failing command never
+clobbers an existing output file (docs/HARDENING.md).
+
+Commands whose module is not built yet skip, naming the module. A message of the form
+``error: SomeError: ...`` comes from the CLI's last-resort handler for unexpected exceptions, so it
+counts as a failure here: the problem must be caught and named where it happens.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from pnmix.cli import app
+from pnmix.manifest import bundled_path
+
+REPO = Path(__file__).resolve().parents[1]
+runner = CliRunner()
+UNEXPECTED = re.compile(r"^error: [A-Z]\w*(Error|Exception|Exit|Interrupt)\b")
+SENTINEL = b"an earlier result that a failing run must leave alone\n"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Bad inputs of every kind, made once."""
+    root = tmp_path_factory.mktemp("bad")
+    manifest = bundled_path().read_text()
+    paths = {
+        "MISSING": root / "no-such-file.json",
+        "MISSING_DIR": root / "no-such-folder",
+        "DIR": root / "a-folder",
+        "EMPTY": root / "empty.json",
+        "GARBAGE": root / "garbage.bin",
+        "NOT_UTF8": root / "latin1.json",
+        "TRUNC_MANIFEST": root / "truncated-manifest.json",
+        "BAD_CONFIG": root / "bad-config.json",
+        "LIST_CONFIG": root / "list-config.json",
+        "HUGE_SINK": root / "huge-sink.json",
+        "NO_PREFILL": root / "no-prefill.json",
+        "LONG_PROTOCOL": root / "long-protocol.json",
+        "TEXT": root / "text.txt",
+        "FOREIGN_ONNX": root / "identity.onnx",
+    }
+    paths["DIR"].mkdir()
+    paths["EMPTY"].write_bytes(b"")
+    paths["GARBAGE"].write_bytes(bytes(range(256)) * 4)
+    paths["NOT_UTF8"].write_bytes(b'{"group_size": "\xe9\xff"}')
+    paths["TRUNC_MANIFEST"].write_text(manifest[: len(manifest) // 2])
+    paths["BAD_CONFIG"].write_text('{"group_size": "eight"}')
+    paths["LIST_CONFIG"].write_text("[128, 128]")
+    paths["HUGE_SINK"].write_text('{"sink_tokens": 1000000000000}')
+    paths["NO_PREFILL"].write_text('{"prefill_tokens": 0}')
+    paths["LONG_PROTOCOL"].write_text('{"prefill_tokens": 100000000}')
+    paths["TEXT"].write_text("To be, or not to be, that is the question. " * 20)
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    onnx.save(helper.make_model(graph), str(paths["FOREIGN_ONNX"]))
+    # A plan that is not an engine, beside a valid description (sidecar), and one with a bare sidecar.
+    from pnmix.config import PnMixConfig
+
+    for name, sidecar in (("ENGINE", {
+        "format": "pnmix-engine-1", "config": PnMixConfig().to_dict(), "capacity": 448, "batch": 1,
+        "seed": 42, "precision": "fp32", "profiles": {"decode": 0, "prefill": 1, "max_prefill": 384},
+    }), ("ENGINE_BARE_SIDECAR", {"format": "pnmix-engine-1"})):
+        paths[name] = root / f"{name.lower()}.plan"
+        paths[name].write_bytes(b"not a TensorRT plan" * 10)
+        (root / f"{name.lower()}.plan.json").write_text(json.dumps(sidecar))
+    if importlib.util.find_spec("transformers") is not None:
+        paths.update(_hf_model_dirs(root))
+    return paths
+
+
+def _hf_model_dirs(root: Path) -> dict:
+    """A tiny random Llama (no download), one with a truncated weights file, one with a broken config."""
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                         max_position_embeddings=512, pad_token_id=0, eos_token_id=None, bos_token_id=None)
+    good = root / "hf-model"
+    LlamaForCausalLM(config).save_pretrained(good)
+    truncated, broken = root / "hf-truncated", root / "hf-broken-config"
+    shutil.copytree(good, truncated)
+    shutil.copytree(good, broken)
+    weights = next(truncated.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    (broken / "config.json").write_text('{"model_type": "llama", "hidden_size": ')
+    return {"HF_MODEL": good, "HF_TRUNCATED": truncated, "HF_BROKEN_CONFIG": broken}
+
+
+def module_ready(module: str | None, args, files) -> None:
+    if module is not None:
+        try:
+            found = importlib.util.find_spec(module)
+        except ModuleNotFoundError:
+            found = None
+        if found is None:
+            pytest.skip(f"{module} is not built yet")
+    if any(a.startswith("HF_") for a in args) and "HF_MODEL" not in files:
+        pytest.skip("transformers is not installed (the optional hf extra)")
+
+
+def invoke(args, files, out: Path | None = None):
+    def resolve(arg: str) -> str:
+        head, _, tail = arg.partition("/")
+        if head == "OUT":
+            return str(out)
+        if head in files:
+            return str(files[head] / tail) if tail else str(files[head])
+        return arg
+
+    argv = [resolve(a) for a in args]
+    return runner.invoke(app, argv)
+
+
+def assert_one_line_error(result, words) -> str:
+    text = result.output.strip()
+    assert result.exit_code not in (0, None), f"exit 0 for a bad input: {text}"
+    assert result.exit_code == 2, f"errors exit 2, got {result.exit_code}: {text}"
+    assert "Traceback" not in text
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), f"not one error line:\n{text}"
+    assert not UNEXPECTED.match(lines[0]), f"an unexpected exception reached the CLI: {lines[0]}"
+    for word in words:
+        assert word.lower() in lines[0].lower(), f"{word!r} not named in: {lines[0]}"
+    return lines[0]
+
+
+# (id, module the command needs, argv, words the message must name)
+CASES = [
+    # reproduce: the manifest, the config, the options, the output
+    ("reproduce-missing-manifest", None, ["reproduce", "--manifest", "MISSING"], ["not found"]),
+    ("reproduce-manifest-is-folder", None, ["reproduce", "--manifest", "DIR"], ["directory"]),
+    ("reproduce-empty-manifest", None, ["reproduce", "--manifest", "EMPTY"], ["not valid JSON"]),
+    ("reproduce-truncated-manifest", None, ["reproduce", "--manifest", "TRUNC_MANIFEST"], ["not valid JSON"]),
+    ("reproduce-binary-manifest", None, ["reproduce", "--manifest", "GARBAGE"], ["manifest"]),
+    ("reproduce-not-utf8-config", None, ["reproduce", "--config", "NOT_UTF8"], ["config"]),
+    ("reproduce-missing-config", None, ["reproduce", "--config", "MISSING"], ["config", "not found"]),
+    ("reproduce-bad-field", None, ["reproduce", "--config", "BAD_CONFIG"], ["group_size"]),
+    ("reproduce-list-config", None, ["reproduce", "--config", "LIST_CONFIG"], ["JSON object"]),
+    ("reproduce-huge-sink", None, ["reproduce", "--config", "HUGE_SINK"], ["sink_tokens"]),
+    ("reproduce-no-prefill", None, ["reproduce", "--config", "NO_PREFILL"], ["prefill_tokens"]),
+    ("reproduce-too-long", None, ["reproduce", "--config", "LONG_PROTOCOL"], ["tokens"]),
+    ("reproduce-bad-seeds", None, ["reproduce", "--seeds", "42,x"], ["--seeds"]),
+    ("reproduce-no-seeds", None, ["reproduce", "--seeds", ","], ["seed"]),
+    ("reproduce-bad-device", None, ["reproduce", "--device", "tpu"], ["--device"]),
+    ("reproduce-json-folder-missing", None, ["reproduce", "--json", "MISSING_DIR/r.json"], ["does not exist"]),
+    ("reproduce-json-is-folder", None, ["reproduce", "--json", "DIR"], ["directory"]),
+    ("reproduce-bad-config-keeps-json", None, ["reproduce", "--config", "BAD_CONFIG", "--json", "OUT"], ["group_size"]),
+    # verify
+    ("verify-no-backend", None, ["verify"], ["exactly one"]),
+    ("verify-two-backends", None, ["verify", "--backend", "torch", "--onnx", "GARBAGE"], ["exactly one"]),
+    ("verify-unknown-backend", None, ["verify", "--backend", "jax"], ["--backend"]),
+    ("verify-bad-device", None, ["verify", "--backend", "torch", "--device", "tpu"], ["--device"]),
+    ("verify-bad-manifest-keeps-json", None, ["verify", "--backend", "torch", "--manifest", "GARBAGE", "--json", "OUT"], ["manifest"]),
+    ("verify-onnx-on-cuda", "pnmix.backends.onnx_backend", ["verify", "--onnx", "GARBAGE", "--device", "tpu"], ["--device"]),
+    ("verify-onnx-missing", "pnmix.backends.onnx_backend", ["verify", "--onnx", "MISSING"], ["not found"]),
+    ("verify-onnx-folder", "pnmix.backends.onnx_backend", ["verify", "--onnx", "DIR"], ["not a file"]),
+    ("verify-onnx-empty", "pnmix.backends.onnx_backend", ["verify", "--onnx", "EMPTY"], ["empty"]),
+    ("verify-onnx-garbage", "pnmix.backends.onnx_backend", ["verify", "--onnx", "GARBAGE"], ["not an ONNX model"]),
+    ("verify-onnx-json", "pnmix.backends.onnx_backend", ["verify", "--onnx", "TRUNC_MANIFEST"], ["ONNX"]),
+    ("verify-onnx-foreign", "pnmix.backends.onnx_backend", ["verify", "--onnx", "FOREIGN_ONNX"], ["pnmix"]),
+    ("verify-engine-missing", "pnmix.backends.trt_backend", ["verify", "--engine", "MISSING", "--plugins", "GARBAGE"], ["not found"]),
+    ("verify-engine-garbage-plugins-missing", "pnmix.backends.trt_backend", ["verify", "--engine", "GARBAGE", "--plugins", "MISSING"], ["not found"]),
+    ("verify-engine-without-sidecar", "pnmix.backends.trt_backend", ["verify", "--engine", "GARBAGE", "--plugins", "GARBAGE"], ["engine description not found"]),
+    ("verify-engine-plugins-missing", "pnmix.backends.trt_backend", ["verify", "--engine", "ENGINE", "--plugins", "MISSING"], ["plugin", "not found"]),
+    ("verify-engine-plugins-folder", "pnmix.backends.trt_backend", ["verify", "--engine", "ENGINE", "--plugins", "DIR"], ["director"]),
+    ("verify-engine-bare-sidecar", "pnmix.backends.trt_backend", ["verify", "--engine", "ENGINE_BARE_SIDECAR", "--plugins", "GARBAGE"], ["config"],
+     "reported: a sidecar without 'config'/'capacity' reaches the CLI as KeyError (pnmix/trt.py read_sidecar checks only 'format')"),
+    # export
+    ("export-folder-missing", "pnmix.export.exporter", ["export", "-o", "MISSING_DIR/m.onnx"], ["does not exist"]),
+    ("export-output-is-folder", "pnmix.export.exporter", ["export", "-o", "DIR"], ["directory"]),
+    ("export-zero-capacity", "pnmix.export.exporter", ["export", "-o", "OUT", "--max-seq-len", "0"], ["max_seq_len"]),
+    ("export-negative-batch", "pnmix.export.exporter", ["export", "-o", "OUT", "--batch", "-1"], ["batch"]),
+    ("export-bad-opset", "pnmix.export.exporter", ["export", "-o", "OUT", "--opset", "3"], ["opset"]),
+    ("export-bad-config-keeps-output", "pnmix.export.exporter", ["export", "-o", "OUT", "--config", "BAD_CONFIG"], ["group_size"]),
+    ("export-missing-manifest", "pnmix.export.exporter", ["export", "-o", "OUT", "--manifest", "MISSING"], ["not found"]),
+    # bench decode (10^12 tokens is past any address space: the allocation fails, never succeeds lazily)
+    ("bench-decode-context-beyond-memory", "pnmix.bench", ["bench", "decode", "--context", "1000000000000", "--repeats", "1"], ["context"],
+     "reported: bench decode --context 10^12 reaches the CLI as RuntimeError (a 4 PB allocation)"),
+    ("bench-decode-huge-threads", "pnmix.bench", ["bench", "decode", "--threads", "1000000000000", "--context", "64", "--repeats", "1"], ["threads"],
+     "reported: bench decode --threads 10^12 reaches the CLI as ValueError (Overflow when unpacking long)"),
+    ("bench-decode-huge-q-heads", "pnmix.bench", ["bench", "decode", "--q-heads", "9223372036854775808", "--context", "64", "--repeats", "1"], ["heads"],
+     "reported: bench decode --q-heads 2^63 reaches the CLI as TypeError from torch.randn"),
+    ("bench-decode-negative-context", "pnmix.bench", ["bench", "decode", "--context", "-1"], ["context"]),
+    ("bench-decode-zero-batch", "pnmix.bench", ["bench", "decode", "--batch", "0"], ["batch"]),
+    ("bench-decode-odd-head-dim", "pnmix.bench", ["bench", "decode", "--head-dim", "7"], ["head"]),
+    ("bench-decode-gqa-mismatch", "pnmix.bench", ["bench", "decode", "--q-heads", "32", "--kv-heads", "5"], ["heads"]),
+    ("bench-decode-zero-threads", "pnmix.bench", ["bench", "decode", "--threads", "0"], ["threads"]),
+    ("bench-decode-bad-device", "pnmix.bench", ["bench", "decode", "--device", "tpu"], ["device"]),
+    ("bench-decode-unknown-impl", "pnmix.bench", ["bench", "decode", "--impls", "nope"], ["nope"]),
+    ("bench-decode-zero-repeats", "pnmix.bench", ["bench", "decode", "--repeats", "0"], ["repeats"]),
+    ("bench-decode-missing-config", "pnmix.bench", ["bench", "decode", "--config", "MISSING"], ["not found"]),
+    ("bench-decode-json-folder-missing", "pnmix.bench", ["bench", "decode", "--context", "64", "--json", "MISSING_DIR/b.json"], ["does not exist"],
+     "reported: bench decode checks --json only after the whole benchmark (use pnmix.io.check_output_path first)"),
+    # bench onnx
+    ("bench-onnx-zero-capacity", "pnmix.export.bench", ["bench", "onnx", "--max-seq-len", "0"], ["max"]),
+    ("bench-onnx-context-beyond-capacity", "pnmix.export.bench", ["bench", "onnx", "--max-seq-len", "64", "--context", "100"], ["context"]),
+    ("bench-onnx-zero-repeats", "pnmix.export.bench", ["bench", "onnx", "--repeats", "0"], ["repeats"]),
+    ("bench-onnx-missing-model", "pnmix.export.bench", ["bench", "onnx", "--model", "MISSING"], ["not found"]),
+    ("bench-onnx-garbage-model", "pnmix.export.bench", ["bench", "onnx", "--model", "GARBAGE"], ["not an ONNX model"]),
+    ("bench-onnx-json-folder-missing", "pnmix.export.bench", ["bench", "onnx", "--max-seq-len", "200", "--repeats", "1", "--json", "MISSING_DIR/b.json"], ["does not exist"],
+     "reported: bench onnx checks --json only after the whole benchmark (use pnmix.io.check_output_path first)"),
+    ("bench-onnx-capacity-without-group-slots", "pnmix.export.bench", ["bench", "onnx", "--max-seq-len", "100", "--repeats", "1"], ["max"],
+     "reported: a capacity below sink_tokens + residual_size (no group slot) crashes ONNX Runtime (GatherElements out of bounds)"),
+    # doctor
+    ("doctor-json-folder-missing", "pnmix.doctor", ["doctor", "--json", "MISSING_DIR/d.json"], ["does not exist"],
+     "reported: doctor checks --json only after all its self-checks (use pnmix.io.check_output_path first)"),
+    ("doctor-json-is-folder", "pnmix.doctor", ["doctor", "--json", "DIR"], ["directory"],
+     "reported: doctor checks --json only after all its self-checks (use pnmix.io.check_output_path first)"),
+    # build-engine: paths are checked before TensorRT is even imported
+    ("build-engine-missing-model", "pnmix.trt", ["build-engine", "MISSING", "--plugins", "GARBAGE", "-o", "OUT"], ["not found"]),
+    ("build-engine-missing-plugins", "pnmix.trt", ["build-engine", "FOREIGN_ONNX", "--plugins", "MISSING", "-o", "OUT"], ["plugin", "not found"]),
+    ("build-engine-plugins-folder", "pnmix.trt", ["build-engine", "FOREIGN_ONNX", "--plugins", "DIR", "-o", "OUT"], ["director"]),
+    ("build-engine-garbage-model", "pnmix.trt", ["build-engine", "GARBAGE", "--plugins", "GARBAGE", "-o", "OUT"], ["ONNX"]),
+    ("build-engine-foreign-model", "pnmix.trt", ["build-engine", "FOREIGN_ONNX", "--plugins", "GARBAGE", "-o", "OUT"], ["pnmix"]),
+    ("build-engine-fp16-and-bf16", "pnmix.trt", ["build-engine", "FOREIGN_ONNX", "--plugins", "GARBAGE", "-o", "OUT", "--fp16", "--bf16"], ["bf16"]),
+    # hf-eval
+    ("hf-eval-missing-model", "pnmix.hf.evaluate", ["hf-eval", "MISSING_DIR", "--text", "TEXT"], ["not found"]),
+    ("hf-eval-not-a-model", "pnmix.hf.evaluate", ["hf-eval", "DIR", "--text", "TEXT"], ["config.json"]),
+    ("hf-eval-model-is-file", "pnmix.hf.evaluate", ["hf-eval", "GARBAGE", "--text", "TEXT"], ["director"]),
+    ("hf-eval-missing-text", "pnmix.hf.evaluate", ["hf-eval", "DIR", "--text", "MISSING"], ["text", "not found"]),
+    ("hf-eval-binary-text", "pnmix.hf.evaluate", ["hf-eval", "HF_MODEL", "--text", "GARBAGE"], ["UTF-8"]),
+    ("hf-eval-zero-tokens", "pnmix.hf.evaluate", ["hf-eval", "DIR", "--text", "TEXT", "--prompt-tokens", "0"], ["--prompt-tokens"]),
+    ("hf-eval-text-too-short", "pnmix.hf.evaluate", ["hf-eval", "HF_MODEL", "--text", "TEXT", "--prompt-tokens", "100000"], ["tokens"]),
+    ("hf-eval-bad-config", "pnmix.hf.evaluate", ["hf-eval", "HF_MODEL", "--text", "TEXT", "--config", "BAD_CONFIG"], ["group_size"]),
+    ("hf-eval-missing-config", "pnmix.hf.evaluate", ["hf-eval", "HF_MODEL", "--text", "TEXT", "--config", "MISSING"], ["not found"]),
+    ("hf-eval-truncated-weights", "pnmix.hf.evaluate", ["hf-eval", "HF_TRUNCATED", "--text", "TEXT", "--prompt-tokens", "64"], ["hf-truncated"]),
+    ("hf-eval-broken-model-config", "pnmix.hf.evaluate", ["hf-eval", "HF_BROKEN_CONFIG", "--text", "TEXT"], ["config.json"]),
+    ("hf-eval-json-folder-missing", "pnmix.hf.evaluate", ["hf-eval", "HF_MODEL", "--text", "TEXT", "--prompt-tokens", "64", "--json", "MISSING_DIR/h.json"], ["does not exist"]),
+]
+
+
+def _param(case):
+    """A case with a 5th element is a known gap in another module: xfail, reason = the report."""
+    marks = [pytest.mark.xfail(reason=case[4], strict=False)] if len(case) > 4 else []
+    return pytest.param(case[:4], id=case[0], marks=marks)
+
+
+@pytest.mark.parametrize("case", [_param(c) for c in CASES])
+def test_bad_input_is_one_line_and_exit_2(case, files, tmp_path):
+    name, module, args, words = case
+    module_ready(module, args, files)
+    out = tmp_path / ("out.onnx" if args[0] in ("export", "build-engine") else "out.json")
+    out.write_bytes(SENTINEL)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    result = invoke(args, files, out)
+    assert_one_line_error(result, words)
+    # A failing command leaves an existing output as it was, and no temporary file beside it.
+    assert out.read_bytes() == SENTINEL
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_cuda_asked_for_without_a_gpu_is_one_line():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    for argv in (["reproduce", "--device", "cuda"], ["verify", "--backend", "core", "--device", "cuda"]):
+        assert_one_line_error(runner.invoke(app, argv), ["cuda"])
+
+
+def test_triton_on_cpu_without_the_interpreter_is_one_line(monkeypatch):
+    if importlib.util.find_spec("pnmix.backends.triton_ops") is None:
+        pytest.skip("pnmix.backends.triton_ops is not built yet")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    from pnmix.backends import triton_ops
+
+    if triton_ops.triton_available() and triton_ops._kernels().interpreting():
+        pytest.skip("Triton's interpreter is on in this process")
+    assert_one_line_error(runner.invoke(app, ["verify", "--backend", "triton", "--device", "cpu"]), ["triton"])
+
+
+def test_unreadable_file_is_one_line(files, tmp_path):
+    if os.geteuid() == 0:
+        pytest.skip("running as root: file permissions do not stop reads (folders and bad bytes are tested)")
+    locked = tmp_path / "locked.json"
+    locked.write_text("{}")
+    locked.chmod(0)
+    assert_one_line_error(runner.invoke(app, ["reproduce", "--config", str(locked)]), ["cannot read"])
+
+
+def test_usage_errors_exit_non_zero_without_traceback():
+    for argv in (["reproduce", "--seeds"], ["export"], ["bench", "decode", "--context", "many"], ["nonsense"]):
+        result = runner.invoke(app, argv)
+        assert result.exit_code == 2 and "Traceback" not in result.output, argv
+
+
+# ---------------------------------------------------------------------------------------
+# As a new user would: the installed entry point in a fresh process
+# ---------------------------------------------------------------------------------------
+
+
+def run_pnmix(*args, cwd=None):
+    env = dict(os.environ, PYTHONPATH=str(REPO), COLUMNS="80")
+    return subprocess.run([sys.executable, "-m", "pnmix", *map(str, args)], capture_output=True,
+                          text=True, env=env, cwd=cwd or REPO, timeout=180)
+
+
+def test_subprocess_bad_inputs_print_one_line_on_stderr(files):
+    cases = (
+        (["reproduce", "--manifest", files["TRUNC_MANIFEST"]], "not valid JSON"),
+        (["reproduce", "--config", files["BAD_CONFIG"], "--seeds", "42"], "group_size"),
+        (["verify", "--backend", "torch", "--json", files["MISSING_DIR"] / "x.json"], "does not exist"),
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO), COLUMNS="80")
+    running = [subprocess.Popen([sys.executable, "-m", "pnmix", *map(str, args)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env, cwd=REPO) for args, _ in cases]
+    for (args, words), process in zip(cases, running):
+        stdout, stderr = process.communicate(timeout=180)
+        done = subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
+        assert done.returncode == 2, (args, done.stdout, done.stderr)
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and words in lines[0] and "Traceback" not in done.stderr, done.stderr
+        assert done.stdout.strip() == ""
+
+
+def test_debug_flag_shows_the_traceback(files):
+    done = run_pnmix("--debug", "reproduce", "--manifest", files["MISSING"])
+    assert done.returncode == 2
+    assert "Traceback" in done.stderr and "not found" in done.stderr
+
+
+# ---------------------------------------------------------------------------------------
+# Outputs: written to a temporary name, then renamed (pnmix/io.py)
+# ---------------------------------------------------------------------------------------
+
+
+def test_atomic_write_failure_keeps_the_old_file_and_leaves_no_temporary(tmp_path, monkeypatch):
+    from pnmix import io
+    from pnmix.errors import PnMixError
+
+    target = tmp_path / "result.json"
+    target.write_bytes(SENTINEL)
+
+    def broken_replace(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(io.os, "replace", broken_replace)
+    with pytest.raises(PnMixError, match="cannot write .*No space left"):
+        io.write_json_atomic(target, {"passed": True})
+    assert target.read_bytes() == SENTINEL
+    assert [p.name for p in tmp_path.iterdir()] == ["result.json"]
+
+
+def test_atomic_write_interrupted_mid_write_leaves_no_temporary(tmp_path):
+    from pnmix import io
+
+    target = tmp_path / "result.json"
+    target.write_bytes(SENTINEL)
+
+    class Unserializable:
+        pass
+
+    with pytest.raises(TypeError):  # a bug, not bad input: it propagates, and cleans up first
+        io.write_json_atomic(target, {"x": Unserializable()})
+    real_fdopen = io.os.fdopen
+
+    class Interrupted:  # a file whose write is cut short by Ctrl-C after half the bytes
+        def __init__(self, fd, mode):
+            self.f = real_fdopen(fd, mode)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, data):
+            self.f.write(data[: len(data) // 2])
+            raise KeyboardInterrupt
+
+    io.os.fdopen = Interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            io.write_bytes_atomic(target, b"x" * 1000)
+    finally:
+        io.os.fdopen = real_fdopen
+    assert target.read_bytes() == SENTINEL
+    assert [p.name for p in tmp_path.iterdir()] == ["result.json"]
+
+
+def test_successful_run_replaces_the_file_whole(tmp_path):
+    out = tmp_path / "r.json"
+    out.write_bytes(SENTINEL)
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps({"prefill_tokens": 40, "decode_tokens": 4, "group_size": 8,
+                                  "residual_size": 16, "sink_tokens": 4}))
+    result = runner.invoke(app, ["reproduce", "--config", str(config), "--seeds", "42", "--json", str(out)])
+    assert result.exit_code in (0, 1), result.output
+    assert json.loads(out.read_text())["seeds"] == [42]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.json", "r.json"]

@@ -1,0 +1,326 @@
+#!/usr/bin/env python3
+"""Fuzz the Python side of pnmix: the .pnkv dump decoder, config and manifest parsing, and the
+ONNX model reader. Any exception other than PnMixError is a finding; so is a dump that loads
+but does not re-dump to the same bytes.
+
+Two engines:
+* atheris (coverage-guided, libFuzzer): ``python3 tools/fuzz_python.py --atheris -- -runs=100000``
+  (arguments after ``--`` go to libFuzzer: -max_total_time=60, a corpus folder, ...).
+* a plain mutation loop (no extra package): ``python3 tools/fuzz_python.py --runs 20000``. It mutates
+  valid seeds (bit flips, byte sets, truncation, insertion, splices, interesting integers in the
+  dump header) and prints how many cases each target ran and what it found.
+
+Run from the repository root (or with PYTHONPATH=repo). Findings are written to --crash-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import struct
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Callable, Dict, List
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+TARGETS = ("dump", "config", "manifest", "onnx")
+
+
+# ---------------------------------------------------------------------------------------
+# Targets: each takes bytes, returns "ok" or "refused", raises on a finding
+# ---------------------------------------------------------------------------------------
+
+
+class Targets:
+    def __init__(self) -> None:
+        from pnmix.errors import PnMixError
+
+        self.PnMixError = PnMixError
+        self.folder = Path(tempfile.mkdtemp(prefix="pnmix-fuzz-"))
+
+    def dump(self, data: bytes) -> str:
+        from pnmix import reference
+        from pnmix.format import DUMP_HEADER_BYTES, dump_state, load_state
+
+        try:
+            layout, state, seq_len = load_state(data)
+        except self.PnMixError as exc:
+            return self._refused(exc)
+        if dump_state(layout, state, seq_len) != bytes(data):
+            raise AssertionError("a loaded dump does not re-dump to the same bytes")
+        if layout.persistent_bytes(seq_len, state)["persistent_cache_bytes"] != len(data) - DUMP_HEADER_BYTES:
+            raise AssertionError("persistent bytes disagree with the file size")
+        reference.dequantize_cache(layout, state, seq_len)
+        return "ok"
+
+    def config(self, data: bytes) -> str:
+        from pnmix.config import PnMixConfig
+
+        try:
+            fields = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            return "not json"
+        try:
+            config = PnMixConfig.from_mapping(fields)
+            config.check_head_dim(32)
+        except self.PnMixError as exc:
+            return self._refused(exc)
+        if PnMixConfig.from_mapping(config.to_dict()) != config:
+            raise AssertionError("config does not round-trip through to_dict")
+        return "ok"
+
+    def manifest(self, data: bytes) -> str:
+        from pnmix.config import run_config
+        from pnmix.manifest import compare, load_manifest
+
+        path = self.folder / "manifest.json"
+        path.write_bytes(data)
+        try:
+            manifest = load_manifest(path)
+            run = run_config(manifest)
+            ours = {name: {"mean": 1.0, "std": 0.0, "n": 1} for name in manifest["metrics"]}
+            compare(manifest, run, ours, [{"metrics": {"mask_unchanged_after_decode": True}}])
+        except self.PnMixError as exc:
+            return self._refused(exc)
+        return "ok"
+
+    def onnx(self, data: bytes) -> str:
+        from pnmix.export.modelfile import load_checked
+
+        path = self.folder / "model.onnx"
+        path.write_bytes(data)
+        try:
+            load_checked(path)
+        except self.PnMixError as exc:
+            return self._refused(exc)
+        return "ok"
+
+    @staticmethod
+    def _refused(exc: Exception) -> str:
+        if "\n" in str(exc) or not str(exc):
+            raise AssertionError(f"PnMixError message is not one line: {str(exc)!r}")
+        return "refused"
+
+
+# ---------------------------------------------------------------------------------------
+# Seeds: valid inputs to mutate
+# ---------------------------------------------------------------------------------------
+
+
+def seeds(target: str) -> List[bytes]:
+    import torch
+
+    from pnmix.cache import PackedKVCache
+    from pnmix.config import PnMixConfig
+    from pnmix.format import dump_state
+    from pnmix.manifest import bundled_path
+
+    if target == "dump":
+        out = []
+        for config, n, heads, dim in ((PnMixConfig(group_size=8, residual_size=16, sink_tokens=4), 40, 2, 8),
+                                      (PnMixConfig(group_size=8, residual_size=8, sink_tokens=0, pair_layout="half",
+                                                   value_bits=1, key_high_bits=5, key_low_bits=2), 30, 1, 16),
+                                      (PnMixConfig(group_size=16, residual_size=24, sink_tokens=2), 5, 1, 4)):
+            cache = PackedKVCache(config, heads, dim, n)
+            g = torch.Generator().manual_seed(n)
+            cache.append(torch.randn(1, heads, n, dim, generator=g).half(), torch.randn(1, heads, n, dim, generator=g).half())
+            out.append(dump_state(cache.layout, cache.state, n))
+        empty = PackedKVCache(PnMixConfig(), 2, 32, 8)
+        out.append(dump_state(empty.layout, empty.state, 0))
+        return out
+    if target == "config":
+        return [json.dumps(PnMixConfig().to_dict()).encode(), b'{"group_size": 8, "residual_size": 8}',
+                b'{"pair_layout": "half", "high_ratio": 0.25}', b"{}", b'{"group_size": 12}',
+                b'{"value_bits": 9}', b'{"high_ratio": "x"}', b'{"typo": 1}', b'[]']
+    if target == "manifest":
+        return [bundled_path().read_bytes()]
+    if target == "onnx":
+        from pnmix.export.exporter import export_onnx
+
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / "m.onnx"
+            export_onnx(path, PnMixConfig(group_size=8, residual_size=16, sink_tokens=4), max_seq_len=32)
+            return [path.read_bytes()]
+    raise ValueError(target)
+
+
+# ---------------------------------------------------------------------------------------
+# The plain mutation loop
+# ---------------------------------------------------------------------------------------
+
+INTERESTING_U32 = (0, 1, 2, 7, 8, 9, 31, 32, 33, 64, 127, 128, 255, 256, 2**16, 2**31 - 1, 2**31, 2**32 - 1)
+HEADER_U32_OFFSETS = (8, 12, 16, 20, 28, 32, 36, 40, 60)  # docs/FORMAT.md section 6
+JSON_TOKENS = (b"null", b"true", b"-1", b"0", b"1e999", b"NaN", b"[]", b"{}", b'""', b"1" + b"0" * 400, b"0.5", b'"half"')
+
+
+def mutate(rng: random.Random, data: bytes, corpus: List[bytes], target: str) -> bytes:
+    blob = bytearray(data)
+    json_only = target in ("config", "manifest") and rng.random() < 0.7  # keep most cases parseable
+    for _ in range(rng.choice((1, 1, 2, 3, 8))):
+        kind = 7 if json_only else rng.randrange(8)
+        if kind == 0 and blob:  # flip a bit
+            at = rng.randrange(len(blob))
+            blob[at] ^= 1 << rng.randrange(8)
+        elif kind == 1 and blob:  # set a byte
+            blob[rng.randrange(len(blob))] = rng.randrange(256)
+        elif kind == 2 and blob:  # truncate
+            del blob[rng.randrange(len(blob)):]
+        elif kind == 3:  # insert bytes
+            at = rng.randrange(len(blob) + 1)
+            blob[at:at] = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 9)))
+        elif kind == 4 and blob:  # delete a run
+            at = rng.randrange(len(blob))
+            del blob[at:at + rng.randrange(1, 17)]
+        elif kind == 5:  # splice with another seed
+            other = rng.choice(corpus)
+            cut = rng.randrange(len(other) + 1)
+            blob = blob[: rng.randrange(len(blob) + 1)] + other[cut:]
+        elif kind == 6 and target == "dump" and len(blob) >= 64:  # an interesting header integer
+            struct.pack_into("<I", blob, rng.choice(HEADER_U32_OFFSETS), rng.choice(INTERESTING_U32))
+        elif kind == 7 and target in ("config", "manifest"):  # replace a JSON value
+            text = bytes(blob)
+            colons = [i for i, c in enumerate(text) if c == ord(":")]
+            if colons:
+                at = rng.choice(colons) + 1
+                end = at
+                while end < len(text) and text[end] not in b",}]":
+                    end += 1
+                blob = bytearray(text[:at] + b" " + rng.choice(JSON_TOKENS) + text[end:])
+    return bytes(blob)
+
+
+def run_loop(target: str, runs: int, seconds: float, seed: int, crash_dir: Path | None,
+             log: Callable[[str], None] = print) -> Dict[str, object]:
+    """Mutate the seeds `runs` times (or for `seconds`); returns counts and findings."""
+    rng = random.Random(seed)
+    check = getattr(Targets(), target)
+    corpus = seeds(target)
+    counts: Dict[str, int] = {}
+    findings: List[str] = []
+    began = time.monotonic()
+    cases = 0
+    while cases < runs and time.monotonic() - began < seconds:
+        data = mutate(rng, rng.choice(corpus), corpus, target) if cases >= len(corpus) else corpus[cases]
+        cases += 1
+        try:
+            outcome = check(data)
+        except Exception as exc:  # a finding
+            outcome = "FINDING"
+            key = f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
+            if key not in findings:
+                findings.append(key)
+                if crash_dir is not None:
+                    crash_dir.mkdir(parents=True, exist_ok=True)
+                    name = crash_dir / f"{target}-{hashlib.sha1(data).hexdigest()[:12]}"
+                    name.with_suffix(".bin").write_bytes(data)
+                    name.with_suffix(".txt").write_text(traceback.format_exc())
+                log(f"  finding in {target}: {key}")
+        counts[outcome] = counts.get(outcome, 0) + 1
+        if outcome == "ok" and len(corpus) < 64 and rng.random() < 0.05:
+            corpus.append(data)  # accepted inputs are good parents
+    return {"target": target, "cases": cases, "seconds": round(time.monotonic() - began, 2),
+            "outcomes": counts, "findings": findings}
+
+
+# ---------------------------------------------------------------------------------------
+# atheris
+# ---------------------------------------------------------------------------------------
+
+
+def run_atheris(target_names: List[str], libfuzzer_args: List[str]) -> None:
+    import atheris
+
+    import pnmix.config
+    import pnmix.format
+    import pnmix.manifest
+
+    # Instrument pnmix's own functions (instrument_imports misses modules loaded through the
+    # package's custom path setup, and instrumenting torch would only slow the runs down).
+    for module in (pnmix.config, pnmix.format, pnmix.manifest):
+        for value in list(vars(module).values()):
+            for fn in [value, *vars(value).values()] if isinstance(value, type) else [value]:
+                fn = getattr(fn, "__func__", fn)
+                if getattr(fn, "__module__", None) == module.__name__ and hasattr(fn, "__code__"):
+                    atheris.instrument_func(fn)
+    targets = Targets()
+    checks = [getattr(targets, name) for name in target_names]
+    count = {"cases": 0}
+
+    def one_input(data: bytes) -> None:
+        count["cases"] += 1
+        if count["cases"] & (count["cases"] - 1) == 0:  # powers of two: a running count
+            print(f"pnmix fuzz: {count['cases']} cases", file=sys.stderr)
+        if not data:
+            return
+        checks[data[0] % len(checks)](data[1:])
+
+    # Seed corpus: the valid inputs, each behind its target's selector byte, so libFuzzer starts
+    # past the magic and the JSON syntax.
+    corpus = Path(tempfile.mkdtemp(prefix="pnmix-fuzz-corpus-"))
+    for index, name in enumerate(target_names):
+        for number, data in enumerate(seeds(name)):
+            (corpus / f"{name}-{number}").write_bytes(bytes([index]) + data)
+    # A dictionary of the formats' words (field names, JSON tokens, the magic), so mutations make
+    # inputs that parse and reach the checks behind the syntax.
+    from pnmix.config import CONFIG_FIELDS
+
+    words = [f'"{name}"' for name in CONFIG_FIELDS] + ['"adjacent"', '"half"', '"protocol"', '"metrics"',
+                                                     '"seeds"', '"config"', '"mean"', '"std"', "PNKV"]
+    words += [token.decode() for token in JSON_TOKENS]
+    dictionary = corpus.parent / (corpus.name + ".dict")
+    dictionary.write_text("".join(f"{json.dumps(w)}\n" for w in words))
+    if not any(arg.startswith("-dict=") for arg in libfuzzer_args):
+        libfuzzer_args = [*libfuzzer_args, f"-dict={dictionary}"]
+    atheris.Setup([sys.argv[0], *libfuzzer_args, str(corpus)], one_input)
+    atheris.Fuzz()
+
+
+def main(argv: List[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: List[str] = []
+    if "--" in argv:
+        extra = argv[argv.index("--") + 1:]
+        argv = argv[: argv.index("--")]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", choices=TARGETS + ("all",), default="all")
+    parser.add_argument("--runs", type=int, default=5000, help="cases per target (mutation loop)")
+    parser.add_argument("--seconds", type=float, default=float("inf"), help="time limit per target")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--crash-dir", type=Path, default=Path("fuzz-findings"))
+    parser.add_argument("--atheris", action="store_true", help="coverage-guided fuzzing with atheris")
+    parser.add_argument("--json", type=Path, help="write the counts here")
+    args = parser.parse_args(argv)
+    names = list(TARGETS) if args.target == "all" else [args.target]
+    if args.atheris:
+        try:
+            import atheris  # noqa: F401
+        except ImportError:
+            print("atheris is not installed (pip install atheris); run without --atheris for the plain loop",
+                  file=sys.stderr)
+            return 2
+        run_atheris(names, extra)
+        return 0
+    results = []
+    for name in names:
+        try:
+            result = run_loop(name, args.runs, args.seconds, args.seed, args.crash_dir)
+        except ImportError as exc:
+            print(f"{name}: skipped ({exc})")
+            continue
+        results.append(result)
+        print(f"{name}: {result['cases']} cases in {result['seconds']} s, outcomes {result['outcomes']}, "
+              f"{len(result['findings'])} findings")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    return 1 if any(r["findings"] for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
