@@ -45,11 +45,8 @@ bool PnMixAttentionPlugin::output_dims(const nvinfer1::DimsExprs* inputs, int32_
 
 size_t PnMixAttentionPlugin::getWorkspaceSize(const nvinfer1::DynamicPluginTensorDesc* inputs, int32_t nbInputs,
                                               const nvinfer1::DynamicPluginTensorDesc*, int32_t) const noexcept {
-  if (inputs == nullptr || nbInputs != kAttentionIo.max_inputs) return 0;
-  nvinfer1::Dims dims[kMaxInputs];
-  for (int32_t i = 0; i < nbInputs; ++i) dims[i] = inputs[i].desc.dims;
   Shapes s;
-  if (!shapes_of(dims, nbInputs, &s)) return 0;
+  if (!workspace_shapes(inputs, nbInputs, &s)) return 0;
   const int64_t bound = attention_workspace_bound(s, inputs[mIo.q].max.d[2]);
   return bound > 0 ? static_cast<size_t>(bound) : 0;
 }
@@ -57,14 +54,8 @@ size_t PnMixAttentionPlugin::getWorkspaceSize(const nvinfer1::DynamicPluginTenso
 int32_t PnMixAttentionPlugin::enqueue(const nvinfer1::PluginTensorDesc* inputDesc, const nvinfer1::PluginTensorDesc*,
                                       const void* const* inputs, void* const* outputs, void* workspace,
                                       cudaStream_t stream) noexcept {
-  if (inputDesc == nullptr || inputs == nullptr || outputs == nullptr) return -1;
-  if (!mShapesKnown) {
-    log(ILogger::Severity::kERROR, "PnMixAttention '%s': enqueue before a valid onShapeChange", mLayer.c_str());
-    return -1;
-  }
   int64_t seq_len = 0, new_len = 0;
-  if (!read_lengths(mIo, inputDesc, inputs, stream, mLayer.c_str(), &seq_len, &new_len)) return -1;
-  if (!check_lengths(mShapes, seq_len, new_len, mLayer.c_str())) return -1;
+  if (!begin_enqueue(inputDesc, inputs, outputs, stream, &seq_len, &new_len)) return -1;
 
   const pnmix_layout& L = mShapes.layout;
   pnmix_state state;

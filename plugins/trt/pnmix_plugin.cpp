@@ -318,6 +318,25 @@ bool PnMixPluginBase::shapes_of(const Dims* dims, int32_t nb_inputs, Shapes* out
   return check_shapes(mIo, mConfig, dims, nb_inputs, mLayer.c_str(), out);
 }
 
+bool PnMixPluginBase::workspace_shapes(const nvinfer1::DynamicPluginTensorDesc* inputs, int32_t nb_inputs,
+                                       Shapes* out) const noexcept {
+  if (inputs == nullptr || nb_inputs < mIo.min_inputs || nb_inputs > mIo.max_inputs) return false;
+  Dims dims[kMaxInputs];
+  for (int32_t i = 0; i < nb_inputs; ++i) dims[i] = inputs[i].desc.dims;
+  return shapes_of(dims, nb_inputs, out);
+}
+
+bool PnMixPluginBase::begin_enqueue(const PluginTensorDesc* in, const void* const* inputs, void* const* outputs,
+                                    cudaStream_t stream, int64_t* seq_len, int64_t* new_len) noexcept {
+  if (in == nullptr || inputs == nullptr || outputs == nullptr) return false;
+  if (!mShapesKnown) {
+    log(ILogger::Severity::kERROR, "%s '%s': enqueue before a valid onShapeChange", getPluginName(), mLayer.c_str());
+    return false;
+  }
+  if (!read_lengths(mIo, in, inputs, stream, mLayer.c_str(), seq_len, new_len)) return false;
+  return check_lengths(mShapes, *seq_len, *new_len, mLayer.c_str());
+}
+
 int32_t PnMixPluginBase::configurePlugin(const nvinfer1::DynamicPluginTensorDesc* in, int32_t nbInputs,
                                          const nvinfer1::DynamicPluginTensorDesc*, int32_t) noexcept {
   if (in == nullptr || nbInputs < mIo.min_inputs || nbInputs > mIo.max_inputs) return -1;

@@ -130,6 +130,11 @@ class PnMixPluginBase : public nvinfer1::IPluginV3,
  protected:
   // The shapes of the inputs' dims; logs and returns false when they do not fit together.
   bool shapes_of(const nvinfer1::Dims* dims, int32_t nb_inputs, Shapes* out) const noexcept;
+  // The shapes getWorkspaceSize sizes for; false when the inputs do not fit together.
+  bool workspace_shapes(const nvinfer1::DynamicPluginTensorDesc* inputs, int32_t nb_inputs, Shapes* out) const noexcept;
+  // What every enqueue starts with: shapes known from onShapeChange, both lengths read and valid.
+  bool begin_enqueue(const nvinfer1::PluginTensorDesc* in, const void* const* inputs, void* const* outputs,
+                     cudaStream_t stream, int64_t* seq_len, int64_t* new_len) noexcept;
   // Output i's dims from the inputs' (getOutputShapes); the op decides.
   virtual bool output_dims(const nvinfer1::DimsExprs* inputs, int32_t nb_inputs, nvinfer1::DimsExprs* outputs,
                            int32_t nb_outputs) const noexcept = 0;
