@@ -12,9 +12,7 @@ from pnmix.config import PnMixConfig
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# A configuration far from the manifest's: other pair layout, bit widths, sizes.
-OTHER_CONFIG = dict(pair_layout="half", key_high_bits=4, key_low_bits=2, value_bits=4,
-                    group_size=64, residual_size=96, sink_tokens=8, high_ratio=0.25)
+from pnmix.testing import OTHER_CONFIG  # a configuration far from the manifest's
 
 
 @pytest.fixture

@@ -27,19 +27,7 @@ needs_gpu = pytest.mark.skipif(
             else f"libpnmix_cuda is not built: {LIB_WHY}"),
 )
 
-SMALL = dict(group_size=16, residual_size=24, sink_tokens=5)
-CONFIGS = {
-    "manifest": {},
-    "small": SMALL,
-    "other": dict(pair_layout="half", key_high_bits=4, key_low_bits=2, value_bits=4,
-                  group_size=64, residual_size=96, sink_tokens=8, high_ratio=0.25),
-    "bits_4_1": dict(SMALL, key_high_bits=4, key_low_bits=1, value_bits=1, value_group_size=8),
-    # codes that straddle bytes, a group of 24, residual much larger than a group
-    "straddle": dict(group_size=24, residual_size=56, sink_tokens=3, key_high_bits=5,
-                     key_low_bits=3, value_bits=3, value_group_size=16, pair_layout="half"),
-    "all_high_8": dict(SMALL, high_ratio=1.0, key_high_bits=8, value_bits=8),
-    "no_sink": dict(group_size=8, residual_size=8, sink_tokens=0, key_high_bits=2, key_low_bits=1),
-}
+from pnmix.testing import KERNEL_CONFIGS as CONFIGS, SMALL  # noqa: E402
 
 
 def layout_for(config, heads=2, dim=32, max_seq_len=512, batch=1):

@@ -36,20 +36,7 @@ if not triton_kernels.interpreting() and not torch.cuda.is_available():
 # where the Triton side runs; the reference always runs on the CPU
 DEVICE = "cpu" if triton_kernels.interpreting() else "cuda"
 
-SMALL = dict(group_size=16, residual_size=24, sink_tokens=5)
-CONFIGS = {
-    "manifest": {},
-    "small": SMALL,
-    # the non-default config of the verify check (conftest's OTHER_CONFIG)
-    "other": dict(pair_layout="half", key_high_bits=4, key_low_bits=2, value_bits=4,
-                  group_size=64, residual_size=96, sink_tokens=8, high_ratio=0.25),
-    # 1-bit and 4-bit keys, 1-bit values in blocks of 8 channels
-    "bits_4_1": dict(SMALL, key_high_bits=4, key_low_bits=1, value_bits=1, value_group_size=8),
-    # codes that straddle bytes: 5/3-bit keys, 3-bit values, a group of 24 (not a power of two)
-    "straddle": dict(group_size=24, residual_size=40, sink_tokens=3, key_high_bits=5,
-                     key_low_bits=3, value_bits=3, value_group_size=16, pair_layout="half"),
-    "all_high_8": dict(SMALL, high_ratio=1.0, key_high_bits=8, value_bits=8),
-}
+from pnmix.testing import KERNEL_CONFIGS as CONFIGS, SMALL  # noqa: E402
 
 
 def make_random_kv(batch, heads, n, dim, seed=0):
