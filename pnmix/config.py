@@ -17,9 +17,16 @@ from typing import Any, Mapping
 from .errors import PnMixError
 
 PAIR_LAYOUTS = ("adjacent", "half")
-# Largest sink_tokens, residual_size and group_size: the C core and the plugins' field parser
-# refuse more (plugins/include/pnmix/format.h), so a config valid here is valid everywhere.
-MAX_TOKENS_FIELD = 1 << 20
+# The limits every reader applies (docs/FORMAT.md 1.1), the same numbers as
+# plugins/include/pnmix/params.h (tests/test_core.py checks them against pnmix_core_limit), so a
+# config or layout valid here is valid in the C core, the CUDA library and the plugins.
+MAX_TOKENS_FIELD = 1 << 20  # sink_tokens, residual_size, group_size
+MAX_INT_FIELD = 2**31 - 1  # every other integer field: the C ABI and the plugin fields hold int32
+MAX_BATCH = 1 << 20
+MAX_KV_HEADS = 4096
+MAX_HEAD_DIM = 4096
+MAX_SEQ_LEN = 1 << 40  # a cache's capacity and a dump's seq_len
+MAX_STATE_TENSOR_BYTES = 1 << 50  # any one state tensor at capacity
 
 
 @dataclass(frozen=True)
@@ -48,8 +55,8 @@ class PnMixConfig:
             if value < lo or (hi is not None and value > hi):
                 allowed = f"{lo}..{hi}" if hi is not None else f">= {lo}"
                 raise PnMixError(f"config field '{name}' must be {allowed}{extra}, got {value}")
-            if value > 2**31 - 1:  # the C ABI and the TensorRT plugin fields hold int32
-                raise PnMixError(f"config field '{name}' must fit in int32 (<= 2147483647), got {value}")
+            if value > MAX_INT_FIELD:  # the C ABI and the TensorRT plugin fields hold int32
+                raise PnMixError(f"config field '{name}' must fit in int32 (<= {MAX_INT_FIELD}), got {value}")
             return value
 
         ratio = self.high_ratio

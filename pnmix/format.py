@@ -23,7 +23,9 @@ from typing import Dict, Iterator, NamedTuple, Tuple
 
 import torch
 
-from .config import PAIR_LAYOUTS, PnMixConfig
+from .config import (
+    MAX_BATCH, MAX_HEAD_DIM, MAX_KV_HEADS, MAX_SEQ_LEN, MAX_STATE_TENSOR_BYTES, PAIR_LAYOUTS, PnMixConfig,
+)
 from .errors import PnMixError
 
 # ---------------------------------------------------------------------------------------
@@ -146,11 +148,15 @@ class CacheLayout:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PnMixError(f"{name} must be a positive integer, got {value!r}")
         self.config.check_head_dim(self.head_dim)
-        # The C core's limits (plugins/include/pnmix/format.h layout_error), so every backend
+        # The C core's limits (params.h, applied by format.h layout_error), so every backend
         # takes the same layouts.
-        for name, most in (("batch", 1 << 20), ("kv_heads", 4096), ("head_dim", 4096), ("max_seq_len", 1 << 40)):
+        for name, most in (("batch", MAX_BATCH), ("kv_heads", MAX_KV_HEADS), ("head_dim", MAX_HEAD_DIM),
+                           ("max_seq_len", MAX_SEQ_LEN)):
             if getattr(self, name) > most:
                 raise PnMixError(f"{name} must be <= {most}, got {getattr(self, name)}")
+        for name, shape in self.state_shapes().items():
+            if math.prod(shape) * STATE_DTYPES[name].itemsize > MAX_STATE_TENSOR_BYTES:
+                raise PnMixError(f"cache too large: state tensor '{name}' {shape} would exceed 2^50 bytes")
 
     # ---- derived sizes -------------------------------------------------------------------
     @property
@@ -324,7 +330,8 @@ DUMP_VERSION = 1
 # high_ratio, seq_len, reserved (64 bytes in all)
 _DUMP_HEADER = struct.Struct("<4sHHIIIIBBBBIIIIdQI")
 DUMP_HEADER_BYTES = _DUMP_HEADER.size
-# Unused sink/residual capacity a loaded state may add beyond the file's own bytes.
+# Unused sink/residual capacity a loaded state may add beyond the file's own bytes (params.h
+# PNMIX_DUMP_SLACK_BYTES; tests/test_core.py checks they agree).
 DUMP_SLACK_BYTES = 1 << 30
 
 
@@ -369,7 +376,7 @@ def load_state(blob: bytes) -> Tuple[CacheLayout, Dict[str, torch.Tensor], int]:
         raise PnMixError(f"pnkv dump has non-zero reserved header fields ({_reserved}, {_reserved2})")
     if layout_index >= len(PAIR_LAYOUTS):
         raise PnMixError(f"pnkv dump has an unknown pair_layout code {layout_index}")
-    if seq_len > 1 << 40:
+    if seq_len > MAX_SEQ_LEN:
         raise PnMixError(f"pnkv dump claims an implausible seq_len {seq_len}")
     config = PnMixConfig(
         high_ratio=high_ratio, group_size=group_size, residual_size=residual_size,

@@ -195,12 +195,83 @@ def _corrupt(blob: bytes, offset: int, data: bytes) -> bytes:
     (lambda b: _corrupt(b, 28, (3).to_bytes(4, "little")), "size mismatch"),  # batch vs sections
     (lambda b: _corrupt(b, 52, (1 << 50).to_bytes(8, "little")), "implausible"),
     (lambda b: _corrupt(b, 36, (31).to_bytes(4, "little")), "head_dim"),
+    (lambda b: _corrupt(b, 40, b"\x01"), "reserved header fields"),
+    (lambda b: _corrupt(b, 60, b"\x00\x00\x00\x80"), "reserved header fields"),
+    (lambda b: _corrupt(b, 16, (1 << 20 | 8).to_bytes(4, "little")), "sink_tokens' must be <= 1048576"),
+    (lambda b: _corrupt(b, 20, (1 << 31).to_bytes(4, "little")), "value_group_size.*int32"),
+    # sink rows of 2^20 tokens for 1024 sequences: a 2^38-byte state from a 64-byte header
+    (lambda b: _corrupt(_corrupt(b, 16, (1 << 20).to_bytes(4, "little")), 28, (1024).to_bytes(4, "little")),
+     "implausible"),
+    (lambda b: b[:-1] + b"\xff", "pair_mask marks"),  # the last byte: 8 high pairs in KV head 1
 ])
 def test_dump_with_inconsistent_header_fails_cleanly(mutation, message):
     layout, state, n = make_cache()
     bad = mutation(fmt.dump_state(layout, state, n))
     with pytest.raises(PnMixError, match=message):
         core_ops.load_state(bad)
+    with pytest.raises(PnMixError):  # format.load_state refuses it too (FORMAT.md 6's reader rules)
+        fmt.load_state(bad)
+
+
+def test_dump_value_group_size_takes_pythons_limit():
+    """value_group_size is any int32 >= 1 (vg = min(value_group_size, D)), in both decoders."""
+    layout, state, n = make_cache(CONFIGS["other"].replace(value_group_size=(1 << 31) - 1), seq_len=200)
+    blob = fmt.dump_state(layout, state, n)
+    lay2, state2, n2 = core_ops.load_state(blob)
+    assert lay2.config.value_group_size == (1 << 31) - 1 and fmt.dump_state(lay2, state2, n2) == blob
+
+
+def test_limits_agree_with_python():
+    """params.h and pnmix/config.py (and format.py's dump slack) state the same limits."""
+    from pnmix import config
+
+    lib = core_ops.core_library()
+    lib.pnmix_core_limit.argtypes, lib.pnmix_core_limit.restype = [ctypes.c_char_p], ctypes.c_int64
+    python = {"max_tokens_field": config.MAX_TOKENS_FIELD, "max_int_field": config.MAX_INT_FIELD,
+              "max_batch": config.MAX_BATCH, "max_kv_heads": config.MAX_KV_HEADS,
+              "max_head_dim": config.MAX_HEAD_DIM, "max_seq_len": config.MAX_SEQ_LEN,
+              "max_state_tensor_bytes": config.MAX_STATE_TENSOR_BYTES, "dump_slack_bytes": fmt.DUMP_SLACK_BYTES}
+    assert {name: lib.pnmix_core_limit(name.encode()) for name in python} == python
+    assert lib.pnmix_core_limit(b"no_such_limit") == -1 and lib.pnmix_core_limit(None) == -1
+
+
+@pytest.mark.parametrize("sink, layout_args, accepted", [
+    (32, (1 << 20, 1, 4, 1), True), (32, ((1 << 20) + 1, 1, 4, 1), False),
+    (32, (1, 4096, 4096, 1), True), (32, (1, 4097, 4, 1), False), (32, (1, 1, 4098, 1), False),
+    (32, (1, 1, 4, 1 << 40), True), (32, (1, 1, 4, (1 << 40) + 1), False),
+    (32, (1 << 20, 4096, 4096, 1), True),  # sink_k [2^20, 4096, 32, 4096] fp16: 2^50 bytes exactly
+    (33, (1 << 20, 4096, 4096, 1), False),  # one sink row more: past 2^50
+])
+def test_layout_limits_agree_with_python(sink, layout_args, accepted):
+    config = PnMixConfig(group_size=8, residual_size=8, sink_tokens=sink, value_group_size=2)
+    try:
+        CacheLayout(config, *layout_args)
+        python_accepts = True
+    except PnMixError:
+        python_accepts = False
+    assert python_accepts == accepted
+    fields = config.to_dict()
+    fields["pair_layout"] = 0
+    lay = core_ops.CLayout(core_ops.CConfig(**fields), *layout_args)
+    lib = core_ops.core_library()
+    assert (lib.pnmix_state_bytes(ctypes.byref(lay), (ctypes.c_int64 * 11)()) == 0) == accepted, lib.pnmix_last_error()
+
+
+def test_attend_and_append_refuse_a_state_with_a_wrong_pair_mask(ops):
+    """Key offsets come from the mask: a wrong high-pair count must not reach the kernels."""
+    layout, state, n = make_cache()  # high_ratio 0.25: 4 of 16 pairs per head
+    q = torch.randn(2, 4, 1, 32).half()
+    k, v = kv(2, 2, 1, 32, seed=3)
+    good = state["pair_mask"].clone()
+    for bad, needle in ((torch.full_like(good, 0xFF), "marks 16 high pairs"),
+                        (torch.zeros_like(good), "marks 0 high pairs")):
+        state["pair_mask"].copy_(bad)
+        with pytest.raises(PnMixError, match=needle):
+            ops.attend(q, layout, state, n)
+        with pytest.raises(PnMixError, match=needle):
+            ops.append(layout, state, n - 1, k, v)
+    state["pair_mask"].copy_(good)
+    ops.attend(q, layout, state, n)
 
 
 # ---- bad input through the raw C ABI ---------------------------------------------------------
@@ -266,6 +337,9 @@ def test_wrong_sizes_rejected(abi):
     assert "out buffer" in _error(lib, attend(seq_len=4, out_bytes=8))[1]
     assert "seq_len" in _error(lib, attend(seq_len=401))[1]
     assert "new K/V" in _error(lib, attend(seq_len=4, new_bytes=2))[1]
+    code, msg = _error(lib, attend(seq_len=4))  # the empty state's mask has no high pairs
+    assert code == 7 and "pair_mask" in msg
+    state["pair_mask"].copy_(fmt.pack_pair_mask(reference.saliency_mask(k, layout)))
     assert attend(seq_len=4) == 0
 
 

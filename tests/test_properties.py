@@ -227,10 +227,7 @@ def test_mutated_real_dumps_load_or_fail_cleanly(filled, data):
 
 
 # The C core's decoder (libpnmix_core) must agree with format.load_state: both refuse, or both
-# accept the same state. Known, reported divergence: the C decoder accepts non-zero reserved
-# header fields and a pair mask with the wrong number of high pairs (whose key offsets then
-# point past a group's bytes); counted, not failed, until the core checks them too.
-KNOWN_C_GAPS = ("reserved header fields", "pair_mask")
+# accept the same state (the same reader rules and limits: docs/FORMAT.md 1.1 and 6).
 
 
 @pytest.fixture(scope="module")
@@ -256,15 +253,7 @@ def check_core_agrees(core_decoder, blob: bytes) -> None:
     if isinstance(py, str) and isinstance(c, str):
         CASES["C vs Python: both refuse"] += 1
         return
-    if isinstance(py, str):
-        assert any(gap in py for gap in KNOWN_C_GAPS), f"C accepts a dump Python refuses: {py}"
-        CASES["C vs Python: C accepts what Python refuses (reported gap)"] += 1
-        return
-    if isinstance(c, str) and "implausible config size" in c:
-        # Reported: the C decoder caps sink/residual/group sizes at 2^20, Python bounds the state's
-        # bytes instead (DUMP_SLACK_BYTES); FORMAT.md should fix one rule for both.
-        CASES["C vs Python: C refuses a size Python accepts (reported gap)"] += 1
-        return
+    assert not isinstance(py, str), f"C accepts a dump Python refuses: {py}"
     assert not isinstance(c, str), f"C refuses a dump Python accepts: {c}"
     (layout, state, n), (c_layout, c_state, c_n) = py, c
     assert n == c_n and layout.config == c_layout.config
@@ -296,10 +285,15 @@ def test_core_decoder_refuses_reserved_fields_and_bad_masks(core_decoder):
     reserved[40] = 7
     all_high = bytearray(blob)
     all_high[-1] = 0xFF  # 4 high pairs per head where the config gives 1: offsets past KB
-    refused = [isinstance(_outcome(core_decoder, bytes(b)), str) for b in (reserved, all_high)]
-    if not all(refused):
-        pytest.xfail("reported: libpnmix_core's pnmix_dump_read accepts non-zero reserved fields "
-                     f"({not refused[0]}) and a pair mask with the wrong high-pair count ({not refused[1]})")
+    odd = PackedKVCache(cache.layout.config, 3, 4, 40)  # H * P = 6 bits: two trailing mask bits
+    odd.append(torch.randn(1, 3, 40, 4, generator=g).half(), torch.randn(1, 3, 40, 4, generator=g).half())
+    stray = bytearray(dump_state(odd.layout, odd.state, 40))
+    stray[-1] |= 0x80  # the right count in every head, but a bit past the last pair
+    assert "reserved header fields" in _outcome(core_decoder, bytes(reserved))
+    assert "pair_mask marks 4 high pairs" in _outcome(core_decoder, bytes(all_high))
+    assert "past the last pair" in _outcome(core_decoder, bytes(stray))
+    for bad in (reserved, all_high, stray):
+        assert isinstance(_outcome(load_state, bytes(bad)), str)
 
 
 # ---------------------------------------------------------------------------------------
@@ -366,7 +360,9 @@ def manifests(draw):
             extreme = st.sampled_from([10**400, -(10**400), float("nan"), float("inf"), True, 1e308, -1e-320])
             value = draw(st.one_of(st.just(value), extreme))
             field = draw(st.sampled_from(["mean", "std", "whole"]))
-            data["metrics"][name] = value if field == "whole" else {**data["metrics"][name], field: value}
+            before = data["metrics"][name]  # an earlier draw may have replaced it with a non-object
+            before = before if isinstance(before, dict) else {}
+            data["metrics"][name] = value if field == "whole" else {**before, field: value}
         else:
             data["seeds"] = value
     return data
@@ -590,10 +586,9 @@ def test_plugin_fields_parse_exactly_when_the_python_config_is_valid(fields_lib,
     if not clean:
         CASES[f"plugin fields: tampered -> {'refused' if status else 'parsed'}"] += 1
         return
-    # Clean collections: the C++ parser and PnMixConfig agree on what is valid (high_ratio as fp32,
-    # pair_layout as a C string: up to its first NUL).
-    as_sent = {**values, "high_ratio": struct.unpack("<f", struct.pack("<f", values["high_ratio"]))[0],
-               "pair_layout": values["pair_layout"].split("\0")[0]}
+    # Clean collections: the C++ parser and PnMixConfig agree on what is valid (high_ratio as fp32;
+    # pair_layout is the whole field less its one trailing NUL, so "adjacent\0x" is not "adjacent").
+    as_sent = {**values, "high_ratio": struct.unpack("<f", struct.pack("<f", values["high_ratio"]))[0]}
     try:
         expected = PnMixConfig(**as_sent)
     except PnMixError:

@@ -330,8 +330,10 @@ def test_int64_fields_are_range_checked(lib):
 
 
 @pytest.mark.parametrize("text, ok", [
-    (b"half", True), (b"half\0", True), (b"half\0junk", True), (b"adjacent\0", True),
+    (b"half", True), (b"half\0", True), (b"adjacent\0", True), (b"adjacent", True),
     (b"hal", False), (b"halff", False), (b"HALF", False), (b"", False), (b"\0half", False), (b"\xff\x01", False),
+    # the length must match: one trailing NUL at most, nothing after a NUL
+    (b"half\0junk", False), (b"adjacent\0x", False), (b"half\0\0", False), (b"\0", False),
 ])
 def test_pair_layout_strings(lib, text, ok):
     buffer = ctypes.create_string_buffer(text, max(1, len(text)))

@@ -3,7 +3,7 @@
 // Every entry point checks its arguments on the host first (layout through format.h's
 // layout_error, each state buffer's size against state_bytes, every byte count, that pointers
 // are device memory) and only then enqueues kernels. Errors are a status code plus a one-line,
-// thread-local message.
+// thread-local message. The pair mask's contents are not checked (pnmix_cuda.h says why).
 #include <cuda_runtime.h>
 #include <stdarg.h>
 #include <stdio.h>

@@ -77,6 +77,26 @@ int check_state(const pnmix_layout& L, const pnmix_state* state) {
   return PNMIX_OK;
 }
 
+// FORMAT.md 3.2's rule for the B masks at `mask` (once seq_len > 0): exactly n_high high pairs
+// per KV head, nothing past H * P. The kernels take key offsets from the mask, so a wrong count
+// would make them read past a group's KB bytes.
+int check_pair_mask(const pnmix_layout& L, const uint8_t* mask, int code, const char* what) {
+  const int64_t want = high_pairs(L), MB = mask_bytes(L);
+  for (int64_t b = 0; b < L.batch; ++b) {
+    if (mask_has_trailing_bits(L, mask + b * MB))
+      return fail(code, "%s pair_mask of sequence %lld has set bits past the last pair (must be 0)", what,
+                  (long long)b);
+    for (int64_t h = 0; h < L.kv_heads; ++h) {
+      const int64_t high = high_pairs_in_head(L, mask + b * MB, h);
+      if (high != want)
+        return fail(code, "%s pair_mask marks %lld high pairs in KV head %lld of sequence %lld, the config "
+                    "(high_ratio %g) gives %lld", what, (long long)high, (long long)h, (long long)b,
+                    L.config.high_ratio, (long long)want);
+    }
+  }
+  return PNMIX_OK;
+}
+
 int check_seq_len(const pnmix_layout& L, int64_t seq_len) {
   if (seq_len < 0 || seq_len > L.max_seq_len)
     return fail(PNMIX_ERR_SIZE, "seq_len %lld outside 0..max_seq_len %lld", (long long)seq_len,
@@ -345,6 +365,21 @@ extern "C" {
 
 int pnmix_core_abi_version(void) { return PNMIX_CORE_ABI_VERSION; }
 
+int64_t pnmix_core_limit(const char* name) {
+  static const struct {
+    const char* name;
+    int64_t value;
+  } kLimits[] = {{"max_tokens_field", PNMIX_MAX_TOKENS_FIELD}, {"max_int_field", PNMIX_MAX_INT_FIELD},
+                 {"max_batch", PNMIX_MAX_BATCH},   {"max_kv_heads", PNMIX_MAX_KV_HEADS},
+                 {"max_head_dim", PNMIX_MAX_HEAD_DIM}, {"max_seq_len", PNMIX_MAX_SEQ_LEN},
+                 {"max_state_tensor_bytes", PNMIX_MAX_STATE_TENSOR_BYTES},
+                 {"dump_slack_bytes", PNMIX_DUMP_SLACK_BYTES}};
+  if (name)
+    for (const auto& limit : kLimits)
+      if (!strcmp(limit.name, name)) return limit.value;
+  return -1;
+}
+
 const char* pnmix_last_error(void) { return tls_error.c_str(); }
 
 int pnmix_state_bytes(const pnmix_layout* layout, int64_t nbytes[PNMIX_NUM_STATE]) {
@@ -379,6 +414,9 @@ static int append_impl(const pnmix_layout* layout, pnmix_state* state, int64_t s
   if (n == 0) return ok();
   if (!k || !v) return fail(PNMIX_ERR_NULL, "new keys or values pointer is null");
   if (((uintptr_t)k | (uintptr_t)v) & 1) return fail(PNMIX_ERR_SIZE, "new K/V buffers are not 2-byte aligned");
+  if (seq_len > 0)
+    if (int rc = check_pair_mask(L, buffer<const uint8_t>(state, PNMIX_PAIR_MASK), PNMIX_ERR_STATE, "state's"))
+      return rc;
 
   if (seq_len == 0) compute_pair_mask(L, state, k, n);
   AppendJob job;
@@ -454,6 +492,9 @@ static int attend_impl(const pnmix_layout* layout, const pnmix_state* state, int
   if (n_new && (!k_new || !v_new)) return fail(PNMIX_ERR_NULL, "k_new or v_new pointer is null");
   if (((uintptr_t)q & (q_is_fp32 ? 3 : 1)) || ((uintptr_t)out & 3) || (((uintptr_t)k_new | (uintptr_t)v_new) & 1))
     return fail(PNMIX_ERR_SIZE, "q, out or new K/V buffer is not aligned to its element size");
+  if (seq_len > 0)
+    if (int rc = check_pair_mask(L, buffer<const uint8_t>(state, PNMIX_PAIR_MASK), PNMIX_ERR_STATE, "state's"))
+      return rc;
 
   thread_local std::vector<float> q32, partial;
   if ((int64_t)q32.size() < q_elems) q32.resize(q_elems);
@@ -599,9 +640,17 @@ int pnmix_dump_header(const uint8_t* blob, int64_t size, pnmix_layout* layout, i
   if (get_u16(blob + 4) != 1 || get_u16(blob + 6) != kDumpHeader)
     return fail(PNMIX_ERR_DUMP, "unsupported pnkv dump version %u (header %u bytes)", get_u16(blob + 4),
                 get_u16(blob + 6));
+  if (get_u32(blob + 40) || get_u32(blob + 60))
+    return fail(PNMIX_ERR_DUMP, "pnkv dump has non-zero reserved header fields (%u, %u)", get_u32(blob + 40),
+                get_u32(blob + 60));
+  // u32 config fields must survive the cast to int32 (pnmix/config.py's rule); their other limits
+  // are config_error's, below
   const uint32_t fields[] = {get_u32(blob + 8), get_u32(blob + 12), get_u32(blob + 16), get_u32(blob + 20)};
-  for (uint32_t f : fields)
-    if (f > (1u << 20)) return fail(PNMIX_ERR_DUMP, "pnkv dump has an implausible config size %u", f);
+  const char* const names[] = {"group_size", "residual_size", "sink_tokens", "value_group_size"};
+  for (int i = 0; i < 4; ++i)
+    if (fields[i] > (uint32_t)PNMIX_MAX_INT_FIELD)
+      return fail(PNMIX_ERR_DUMP, "pnkv dump header: config field '%s' = %u does not fit in int32", names[i],
+                  fields[i]);
   pnmix_layout L;
   L.config.group_size = (int32_t)fields[0];
   L.config.residual_size = (int32_t)fields[1];
@@ -618,14 +667,25 @@ int pnmix_dump_header(const uint8_t* blob, int64_t size, pnmix_layout* layout, i
   const uint64_t ratio_bits = get_u64(blob + 44);
   memcpy(&L.config.high_ratio, &ratio_bits, 8);
   const uint64_t n = get_u64(blob + 52);
-  if (n > ((uint64_t)1 << 40)) return fail(PNMIX_ERR_DUMP, "pnkv dump claims an implausible seq_len %llu",
-                                           (unsigned long long)n);
+  if (n > (uint64_t)PNMIX_MAX_SEQ_LEN)
+    return fail(PNMIX_ERR_DUMP, "pnkv dump claims an implausible seq_len %llu", (unsigned long long)n);
   L.max_seq_len = n > 0 ? (int64_t)n : 1;
   if (const char* bad = layout_error(L)) return fail(PNMIX_ERR_DUMP, "pnkv dump header: %s", bad);
+  // A reader allocates the state at capacity; a 64-byte header must not make it allocate far more
+  // than the file holds (full sink and residual rows may exceed the file by the slack).
+  int64_t capacity = 0;
+  for (int i = 0; i < PNMIX_NUM_STATE; ++i) capacity += state_bytes(L, i);
+  if (capacity - PNMIX_DUMP_SLACK_BYTES > size)
+    return fail(PNMIX_ERR_DUMP, "pnkv dump header describes a %lld-byte state for a %lld-byte blob: implausible",
+                (long long)capacity, (long long)size);
   const int64_t expected = kDumpHeader + persistent_bytes(L, (int64_t)n);
   if (size != expected)
     return fail(PNMIX_ERR_DUMP, "pnkv dump size mismatch: header describes %lld bytes, blob has %lld",
                 (long long)expected, (long long)size);
+  // the pair mask is the last section (B * MB bytes, present once N > 0)
+  if (n > 0)
+    if (int rc = check_pair_mask(L, blob + size - L.batch * mask_bytes(L), PNMIX_ERR_DUMP, "pnkv dump's"))
+      return rc;
   *layout = L;
   *seq_len = (int64_t)n;
   return ok();

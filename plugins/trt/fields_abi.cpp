@@ -38,7 +38,7 @@ int32_t pnmix_fields_serialize(const pnmix_config* config, pnmix_field_storage* 
     return 1;
   }
   // Never serialize what parse would refuse: an engine must not carry an invalid config.
-  if (const char* bad = pnmix::fields_config_error(*config)) {
+  if (const char* bad = pnmix::config_error(*config)) {
     pnmix::detail::fail(err, room, "%s", bad);
     return 1;
   }

@@ -130,8 +130,14 @@ PNMIX_HD inline int64_t persistent_bytes(const pnmix_layout& L, int64_t seq_len)
 PNMIX_HD inline const char* config_error(const pnmix_config& c) {
   if (!(c.high_ratio >= 0.0 && c.high_ratio <= 1.0)) return "config field 'high_ratio' must be in [0, 1]";
   if (c.group_size < 8 || c.group_size % 8) return "config field 'group_size' must be a positive multiple of 8";
+  if (c.group_size > PNMIX_MAX_TOKENS_FIELD)
+    return "config field 'group_size' must be <= " PNMIX_STR(PNMIX_MAX_TOKENS_FIELD);
   if (c.residual_size < c.group_size) return "config field 'residual_size' must be >= group_size";
+  if (c.residual_size > PNMIX_MAX_TOKENS_FIELD)
+    return "config field 'residual_size' must be <= " PNMIX_STR(PNMIX_MAX_TOKENS_FIELD);
   if (c.sink_tokens < 0) return "config field 'sink_tokens' must be >= 0";
+  if (c.sink_tokens > PNMIX_MAX_TOKENS_FIELD)
+    return "config field 'sink_tokens' must be <= " PNMIX_STR(PNMIX_MAX_TOKENS_FIELD);
   if (c.value_bits < 1 || c.value_bits > 8) return "config field 'value_bits' must be 1..8";
   if (c.value_group_size < 1) return "config field 'value_group_size' must be >= 1";
   if (c.pair_layout != PNMIX_PAIR_ADJACENT && c.pair_layout != PNMIX_PAIR_HALF)
@@ -141,25 +147,25 @@ PNMIX_HD inline const char* config_error(const pnmix_config& c) {
   return nullptr;
 }
 
-// Config plus the shape checks. Limits keep every byte count far inside int64.
+// Config plus the shape checks (params.h's limits). They keep every byte count far inside int64.
 PNMIX_HD inline const char* layout_error(const pnmix_layout& L) {
   const char* bad = config_error(L.config);
   if (bad) return bad;
-  const int64_t kMaxDim = 1 << 20;
-  if (L.batch < 1 || L.batch > kMaxDim) return "batch must be in 1..2^20";
-  if (L.kv_heads < 1 || L.kv_heads > 4096) return "kv_heads must be in 1..4096";
-  if (L.head_dim < 2 || L.head_dim % 2 || L.head_dim > 4096) return "head_dim must be a positive even number <= 4096";
-  if (L.max_seq_len < 1 || L.max_seq_len > ((int64_t)1 << 40)) return "max_seq_len must be in 1..2^40";
-  if (L.config.group_size > kMaxDim || L.config.residual_size > kMaxDim || L.config.sink_tokens > kMaxDim)
-    return "config group_size, residual_size and sink_tokens must be <= 2^20";
+  if (L.batch < 1 || L.batch > PNMIX_MAX_BATCH) return "batch must be in 1.." PNMIX_STR(PNMIX_MAX_BATCH);
+  if (L.kv_heads < 1 || L.kv_heads > PNMIX_MAX_KV_HEADS) return "kv_heads must be in 1.." PNMIX_STR(PNMIX_MAX_KV_HEADS);
+  if (L.head_dim < 2 || L.head_dim % 2 || L.head_dim > PNMIX_MAX_HEAD_DIM)
+    return "head_dim must be a positive even number <= " PNMIX_STR(PNMIX_MAX_HEAD_DIM);
+  if (L.max_seq_len < 1 || L.max_seq_len > PNMIX_MAX_SEQ_LEN) return "max_seq_len must be in 1..2^40";
   if (L.head_dim % value_block(L))
     return "config field 'value_group_size' gives a value block that does not divide head_dim";
   if ((L.head_dim * L.config.value_bits) % 8) return "config field 'value_bits' times head_dim must be a multiple of 8";
-  // the largest tensor must fit comfortably in int64 (and in memory): cap at 2^50 bytes
+  // the largest tensor must fit comfortably in int64 (and in memory). The double product is exact
+  // up to 2^53, so the comparison with 2^50 is exact (pnmix/format.py makes the same one).
   for (int i = 0; i < PNMIX_NUM_STATE; ++i) {
     const TensorShape s = capacity_shape(L, i);
-    const double approx = (double)L.batch * (double)s.heads * (double)s.rows * (double)s.row_elems * 2.0;
-    if (approx > 1125899906842624.0) return "cache too large: a state tensor would exceed 2^50 bytes";
+    const double bytes = (double)L.batch * (double)s.heads * (double)s.rows * (double)s.row_elems *
+                         (double)state_elem_bytes(i);
+    if (bytes > (double)PNMIX_MAX_STATE_TENSOR_BYTES) return "cache too large: a state tensor would exceed 2^50 bytes";
   }
   return nullptr;
 }
@@ -214,6 +220,31 @@ PNMIX_HD inline bool pair_is_high(const uint8_t* mask, int64_t pairs_per_head, i
 PNMIX_HD inline void set_pair_high(uint8_t* mask, int64_t pairs_per_head, int64_t h, int64_t p) {
   const int64_t bit = h * pairs_per_head + p;
   mask[bit >> 3] = (uint8_t)(mask[bit >> 3] | (1u << (bit & 7)));
+}
+
+// Set bits in stream bits [first, end): bit by bit at the ragged ends, a byte at a time between.
+PNMIX_HD inline int64_t count_set_bits(const uint8_t* stream, int64_t first, int64_t end) {
+  int64_t count = 0, bit = first;
+  for (; bit < end && (bit & 7); ++bit) count += (stream[bit >> 3] >> (bit & 7)) & 1u;
+  for (; bit + 8 <= end; bit += 8) {
+    uint32_t x = stream[bit >> 3];
+    x = x - ((x >> 1) & 0x55u);
+    x = (x & 0x33u) + ((x >> 2) & 0x33u);
+    count += (x + (x >> 4)) & 0x0Fu;
+  }
+  for (; bit < end; ++bit) count += (stream[bit >> 3] >> (bit & 7)) & 1u;
+  return count;
+}
+
+// High pairs of KV head h in one sequence's mask bytes. Section 3.2's reader rule: exactly
+// high_pairs(L) in every head, else key_channel_layout's offsets run past a group's KB bytes.
+PNMIX_HD inline int64_t high_pairs_in_head(const pnmix_layout& L, const uint8_t* mask, int64_t h) {
+  return count_set_bits(mask, h * pairs(L), (h + 1) * pairs(L));
+}
+
+// Does one sequence's mask set any of the trailing bits past H * P? (They must be 0.)
+PNMIX_HD inline bool mask_has_trailing_bits(const pnmix_layout& L, const uint8_t* mask) {
+  return count_set_bits(mask, L.kv_heads * pairs(L), mask_bytes(L) * 8) != 0;
 }
 
 // bits(c) for channel c of KV head h, from one sequence's mask bytes.

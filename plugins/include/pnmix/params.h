@@ -18,6 +18,20 @@
 extern "C" {
 #endif
 
+/* Limits every reader applies (docs/FORMAT.md 1.1); pnmix/config.py states the same numbers and
+ * tests/test_core.py checks them against pnmix_core_limit(). Plain literals so messages can
+ * quote them (PNMIX_STR). */
+#define PNMIX_MAX_TOKENS_FIELD 1048576 /* group_size, residual_size, sink_tokens: 2^20 */
+#define PNMIX_MAX_INT_FIELD 2147483647 /* every other integer config field (value_group_size): int32 */
+#define PNMIX_MAX_BATCH 1048576        /* B: 2^20 */
+#define PNMIX_MAX_KV_HEADS 4096        /* H */
+#define PNMIX_MAX_HEAD_DIM 4096        /* D */
+#define PNMIX_MAX_SEQ_LEN 1099511627776LL             /* max_seq_len and a dump's N: 2^40 */
+#define PNMIX_MAX_STATE_TENSOR_BYTES 1125899906842624LL /* any one state tensor at capacity: 2^50 */
+#define PNMIX_DUMP_SLACK_BYTES 1073741824LL /* a dump's state at capacity may exceed the file by this: 2^30 */
+#define PNMIX_XSTR(x) #x
+#define PNMIX_STR(x) PNMIX_XSTR(x)
+
 /* pair_layout codes (docs/FORMAT.md 3.2 and the .pnkv header) */
 #define PNMIX_PAIR_ADJACENT 0
 #define PNMIX_PAIR_HALF 1

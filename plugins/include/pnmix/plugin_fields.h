@@ -160,7 +160,8 @@ inline bool read_ratio(const pnmix_field& f, double* out, char* err, size_t err_
   return true;
 }
 
-// kCHAR of `length` bytes: the text is the bytes before the first NUL inside that length.
+// kCHAR of `length` bytes: the text is all of them, less one trailing NUL if there is one. A NUL
+// anywhere else is part of the text, so "adjacent\0x" is refused rather than read as "adjacent".
 inline bool read_layout(const pnmix_field& f, int32_t* out, char* err, size_t err_len) {
   if (f.type != PNMIX_FIELD_CHAR)
     return fail(err, err_len, "plugin field '%s' must be a string (kCHAR), got type %d", f.name, (int)f.type);
@@ -168,8 +169,8 @@ inline bool read_layout(const pnmix_field& f, int32_t* out, char* err, size_t er
     return fail(err, err_len, "plugin field '%s' is %d characters long, at most %d allowed", f.name,
                 (int)f.length, kMaxFieldChars);
   const char* text = (const char*)f.data;
-  const void* nul = memchr(text, '\0', (size_t)f.length);
-  const size_t n = nul ? (size_t)((const char*)nul - text) : (size_t)f.length;
+  size_t n = (size_t)f.length;
+  if (n > 0 && text[n - 1] == '\0') --n;
   for (int32_t code = 0; code < 2; ++code) {
     if (strlen(kPairLayoutNames[code]) == n && memcmp(kPairLayoutNames[code], text, n) == 0) {
       *out = code;
@@ -196,15 +197,6 @@ inline size_t element_bytes(int32_t type) {
 }
 
 }  // namespace detail
-
-// config_error plus the token limits layout_error applies, so that no size computed from a
-// parsed config can overflow before the shapes are known. nullptr when valid.
-inline const char* fields_config_error(const pnmix_config& c) {
-  const int32_t kMaxTokens = 1 << 20;
-  if (c.group_size > kMaxTokens || c.residual_size > kMaxTokens || c.sink_tokens > kMaxTokens)
-    return "config fields group_size, residual_size and sink_tokens must be <= 1048576";
-  return config_error(c);
-}
 
 // Parse a field collection into a config. Every CONFIG_FIELDS name must appear exactly once;
 // scalars have length 1; the config must pass config_error. On failure returns false and writes
@@ -252,7 +244,7 @@ inline bool parse_config_fields(const pnmix_field* fields, int32_t nb_fields, pn
   }
   for (int i = 0; i < PNMIX_NUM_CONFIG_FIELDS; ++i)
     if (!seen[i]) return fail(err, err_len, "plugin field '%s' is missing", kConfigFields[i].name);
-  if (const char* bad = fields_config_error(c)) return fail(err, err_len, "%s", bad);
+  if (const char* bad = config_error(c)) return fail(err, err_len, "%s", bad);
   *out = c;
   return true;
 }

@@ -34,7 +34,8 @@ enum pnmix_status {
   PNMIX_ERR_SIZE = 3,     /* a buffer size or count does not match the layout */
   PNMIX_ERR_CAPACITY = 4, /* seq_len + n would exceed max_seq_len */
   PNMIX_ERR_DUMP = 5,     /* a .pnkv blob is malformed */
-  PNMIX_ERR_INTERNAL = 6
+  PNMIX_ERR_INTERNAL = 6,
+  PNMIX_ERR_STATE = 7     /* a state's bytes break the format (a pair mask without n_high high pairs per head) */
 };
 
 /* The eleven state buffers and their sizes in bytes (each must equal pnmix_state_bytes). */
@@ -46,6 +47,11 @@ typedef struct pnmix_state {
 PNMIX_API int pnmix_core_abi_version(void);
 PNMIX_API const char* pnmix_last_error(void);
 
+/* One of params.h's limits by name ("max_tokens_field", "max_int_field", "max_batch", "max_kv_heads",
+ * "max_head_dim", "max_seq_len", "max_state_tensor_bytes", "dump_slack_bytes"); -1 for an unknown
+ * name. Lets tests check pnmix/config.py states the same numbers. */
+PNMIX_API int64_t pnmix_core_limit(const char* name);
+
 /* Check a layout; fill nbytes[11] with the capacity size of each state buffer. */
 PNMIX_API int pnmix_state_bytes(const pnmix_layout* layout, int64_t nbytes[PNMIX_NUM_STATE]);
 
@@ -54,7 +60,8 @@ PNMIX_API int pnmix_persistent_bytes(const pnmix_layout* layout, int64_t seq_len
 
 /* Append n tokens of fp16 K/V [B, H, n, D] (kv_bytes = bytes of each of k and v) to a cache holding
  * seq_len tokens: pair mask first when seq_len == 0, sink, residual, and every group flush.
- * Bytes are identical to pnmix.cache.append_reference. */
+ * Bytes are identical to pnmix.cache.append_reference. When seq_len > 0 the state's pair mask
+ * must follow FORMAT.md 3.2 (append and attend check it: PNMIX_ERR_STATE). */
 PNMIX_API int pnmix_append(const pnmix_layout* layout, pnmix_state* state, int64_t seq_len, const uint16_t* k,
                  const uint16_t* v, int64_t n, int64_t kv_bytes);
 
@@ -84,7 +91,8 @@ PNMIX_API int pnmix_dump_size(const pnmix_layout* layout, int64_t seq_len, int64
 /* Write the dump into out (out_bytes must be at least pnmix_dump_size). */
 PNMIX_API int pnmix_dump_write(const pnmix_layout* layout, const pnmix_state* state, int64_t seq_len, uint8_t* out,
                      int64_t out_bytes, int64_t* written);
-/* Decode and check a dump's header against its size: layout (capacity = max(seq_len, 1)) and seq_len. */
+/* Decode and check a dump (FORMAT.md 6's reader rules: header, limits, size, pair mask):
+ * layout (capacity = max(seq_len, 1)) and seq_len. */
 PNMIX_API int pnmix_dump_header(const uint8_t* blob, int64_t size, pnmix_layout* layout, int64_t* seq_len);
 /* Load a dump into state buffers of `layout` (same config/B/H/D, capacity >= the dump's seq_len);
  * unused parts of the buffers are zeroed. */

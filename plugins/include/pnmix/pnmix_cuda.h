@@ -9,6 +9,12 @@
  * Work is enqueued on `stream` (a cudaStream_t; NULL = the legacy default stream) and not
  * waited for. Scratch memory is caller-owned: ask for its size with the *_workspace_bytes
  * functions (same arguments) and pass a device buffer at least that large.
+ *
+ * Not checked here: the state's CONTENTS. Once seq_len > 0 its pair mask must follow
+ * docs/FORMAT.md 3.2 (exactly n_high high pairs per KV head, nothing past H * P), or the key
+ * offsets run past a group's bytes. The mask lives in device memory and the entry points only
+ * enqueue work, so checking it would cost a copy and a sync per call; libpnmix_core checks it
+ * (PNMIX_ERR_STATE), and a state from append or from a checked .pnkv decoder always obeys it.
  */
 #ifndef PNMIX_CUDA_H
 #define PNMIX_CUDA_H
