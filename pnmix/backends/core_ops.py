@@ -20,7 +20,7 @@ from ..format import STATE_DTYPES, STATE_NAMES, CacheLayout
 from .base import CacheOps
 
 LIBRARY = "pnmix_core"
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 _C_TYPES = {"high_ratio": ctypes.c_double}
 

@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define PNMIX_CORE_ABI_VERSION 1
+#define PNMIX_CORE_ABI_VERSION 2
 
 #if defined(_WIN32)
 #define PNMIX_API
