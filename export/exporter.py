@@ -29,11 +29,18 @@ from onnx import TensorProto, helper, numpy_helper
 from pnmix.config import PnMixConfig
 from pnmix.errors import PnMixError
 from pnmix.format import STATE_NAMES, CacheLayout
-from pnmix.model import D_MODEL, HEAD_DIM, KV_HEADS, Q_HEADS, DiagnosticModel, pair_channels, rope_tables
+from pnmix.model import (D_MODEL, HEAD_DIM, KV_HEADS, Q_HEADS, SEED_RANGE, DiagnosticModel, pair_channels,
+                         rope_tables)
 
 from . import ops
 
 MIN_OPSET = 18  # ReduceMin/ReduceMax take axes as an input from opset 18
+DEFAULT_OPSET = 18
+# The file's size is the RoPE tables (cos and sin, fp32, D/2 each per position) and about 0.4 MB
+# of weights and graph; protobuf caps a file with inline data at 2 GiB.
+ROPE_BYTES_PER_TOKEN = HEAD_DIM * 4
+MAX_EXPORT_SEQ_LEN = ((1 << 31) - (4 << 20)) // ROPE_BYTES_PER_TOKEN
+EXPORT_BYTES_PER_TOKEN = 768  # peak memory while building and checking, measured (~640 at 1M-4M)
 WEIGHT_NAMES = ("q_table", "k_table", "v_table", "o_weight_t")
 META_PREFIX = "pnmix."
 
@@ -55,11 +62,23 @@ def seed_weights(seed: int) -> Dict[str, np.ndarray]:
     }
 
 
-def check_export_args(config: PnMixConfig, max_seq_len: int, batch: int, opset: int) -> CacheLayout:
+def check_export_args(config: PnMixConfig, max_seq_len: int, batch: int, opset: int, seed: int = 42) -> CacheLayout:
+    """Every export option's range, in one place, before anything is built."""
     newest = onnx.defs.onnx_opset_version()
     if isinstance(opset, bool) or not isinstance(opset, int) or not MIN_OPSET <= opset <= newest:
         raise PnMixError(f"--opset must be {MIN_OPSET}..{newest}, got {opset}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise PnMixError(f"--seed must be an integer {SEED_RANGE[0]}..{SEED_RANGE[1]} (a torch seed), got {seed!r}")
     layout = CacheLayout(config, batch, KV_HEADS, HEAD_DIM, max_seq_len)
+    if max_seq_len > MAX_EXPORT_SEQ_LEN:
+        raise PnMixError(
+            f"max_seq_len {max_seq_len} is too large to export: the file holds RoPE tables of "
+            f"{ROPE_BYTES_PER_TOKEN} bytes per position and an ONNX file must stay under 2 GiB; "
+            f"the most is {MAX_EXPORT_SEQ_LEN}"
+        )
+    from pnmix.memory import check_fits
+
+    check_fits(EXPORT_BYTES_PER_TOKEN * max_seq_len, f"exporting max_seq_len {max_seq_len}", "lower --max-seq-len")
     if config.replace(high_ratio=ops.fp32_ratio(config)).high_pairs(HEAD_DIM) != config.high_pairs(HEAD_DIM):
         raise PnMixError(
             f"config field 'high_ratio' {config.high_ratio!r} changes n_high when stored as the "
@@ -69,9 +88,9 @@ def check_export_args(config: PnMixConfig, max_seq_len: int, batch: int, opset: 
 
 
 def build_model(config: PnMixConfig, max_seq_len: int = 4096, batch: int = 1, seed: int = 42,
-                opset: int = 18) -> onnx.ModelProto:
+                opset: int = DEFAULT_OPSET) -> onnx.ModelProto:
     """The ONNX model (in memory) of the diagnostic model with a cache of max_seq_len tokens."""
-    layout = check_export_args(config, max_seq_len, batch, opset)
+    layout = check_export_args(config, max_seq_len, batch, opset, seed)
     b = ops.Body("model")
     weights = seed_weights(seed)
     cos, sin = rope_tables(max_seq_len)
@@ -147,7 +166,7 @@ def build_model(config: PnMixConfig, max_seq_len: int = 4096, batch: int = 1, se
 
 
 def build_op_model(op: str, config: PnMixConfig, max_seq_len: int, batch: int = 1, q_heads: int = Q_HEADS,
-                   opset: int = 18) -> onnx.ModelProto:
+                   opset: int = DEFAULT_OPSET) -> onnx.ModelProto:
     """A model holding ONE pn-mix node (and its function) with the op's own inputs and outputs:
     for testing a runtime or a plugin op by op on K/V of one's choosing."""
     layout = check_export_args(config, max_seq_len, batch, opset)
@@ -182,7 +201,7 @@ def _version() -> str:
 
 
 def export_onnx(path: str | Path, config: PnMixConfig, max_seq_len: int = 4096, batch: int = 1,
-                seed: int = 42, opset: int = 18, check: bool = True) -> ExportResult:
+                seed: int = 42, opset: int = DEFAULT_OPSET, check: bool = True) -> ExportResult:
     """Build, check (onnx.checker full_check, shape inference) and write the file atomically."""
     from pnmix.io import write_bytes_atomic
 
@@ -208,8 +227,10 @@ def export_command(output: Path, config: Optional[Path], manifest: Optional[Path
                    batch: int, opset: int, seed: int) -> int:
     """`pnmix export`: write the file and print what was written."""
     from pnmix.config import run_config
+    from pnmix.io import check_output_path
     from pnmix.manifest import load_manifest
 
+    check_output_path(output)  # before the build, not after it
     run = run_config(load_manifest(manifest), config)
     result = export_onnx(output, run.config, max_seq_len, batch, seed, opset)
     print(f"wrote {result.path} ({result.file_bytes} bytes, {result.seconds:.2f} s): max_seq_len "

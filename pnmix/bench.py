@@ -33,6 +33,7 @@ dequantized fp32 copy of the cache, counted too.
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import platform
 import statistics
@@ -42,9 +43,9 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from .config import PnMixConfig, run_config
+from .config import MAX_BATCH, MAX_HEAD_DIM, MAX_KV_HEADS, MAX_SEQ_LEN, PnMixConfig, run_config
 from .errors import PnMixError
-from .format import CacheLayout
+from .format import STATE_DTYPES, CacheLayout
 
 CPU_IMPLS = ("sdpa_fp32", "sdpa_bf16", "sdpa_fp32_grouped", "sdpa_bf16_grouped", "reference", "core")
 SDPA_DTYPES = {"sdpa_fp32": torch.float32, "sdpa_bf16": torch.bfloat16, "sdpa_fp16": torch.float16,
@@ -177,15 +178,68 @@ def time_step(fn: Callable[[], torch.Tensor], device: str, repeats: int) -> tupl
 # ---------------------------------------------------------------------------------------
 
 
-def _check_args(context, batch, q_heads, kv_heads, head_dim, threads, repeats) -> None:
-    for name, value in (("context", context), ("batch", batch), ("q-heads", q_heads), ("kv-heads", kv_heads),
-                        ("head-dim", head_dim), ("repeats", repeats)):
-        if value < 1:
-            raise PnMixError(f"--{name} must be >= 1, got {value}")
+MAX_THREADS = 1024  # more is a typo; the core's and torch's thread counts are C ints
+MAX_Q_HEADS = 1 << 16
+MAX_REPEATS = 1_000_000
+
+
+def _check_args(context, batch, q_heads, kv_heads, head_dim, threads, repeats, config: PnMixConfig) -> CacheLayout:
+    """Every option's range, in one place, before anything is allocated; returns the layout."""
+    limits = [("context", context, MAX_SEQ_LEN), ("batch", batch, MAX_BATCH), ("q-heads", q_heads, MAX_Q_HEADS),
+              ("kv-heads", kv_heads, MAX_KV_HEADS), ("head-dim", head_dim, MAX_HEAD_DIM),
+              ("repeats", repeats, MAX_REPEATS)]
+    if threads is not None:
+        limits.append(("threads", threads, MAX_THREADS))
+    for name, value, most in limits:
+        if not 1 <= value <= most:
+            raise PnMixError(f"--{name} must be 1..{most}, got {value}")
     if q_heads % kv_heads:
         raise PnMixError(f"--q-heads {q_heads} must be a multiple of --kv-heads {kv_heads}")
-    if threads is not None and threads < 1:
-        raise PnMixError(f"--threads must be >= 1, got {threads}")
+    return CacheLayout(config, batch, kv_heads, head_dim, context)  # head-dim vs the config, state size
+
+
+def state_bytes(layout: CacheLayout) -> int:
+    """Bytes of the packed state tensors as allocated (capacity = the context)."""
+    return sum(math.prod(shape) * STATE_DTYPES[name].itemsize for name, shape in layout.state_shapes().items())
+
+
+def memory_needed(layout: CacheLayout, q_heads: int, names: List[str], device: str) -> Dict[str, int]:
+    """Peak bytes per device ("cpu", and the GPU's name) of a run over these implementations: the
+    fp16 K/V and the packed state always sit in host memory; each implementation adds its own
+    copies while it runs (one at a time), and the agreement check may dequantize on the host."""
+    n = layout.max_seq_len
+    dense = dense_bytes(layout, n, 1)  # bytes per byte of element size: 2 * B * H * N * D
+    packed = state_bytes(layout)
+    host = 2 * dense + packed + 2 * layout.batch * q_heads * layout.head_dim
+    extra = {"cpu": 0, device: 0}
+    for name in names:
+        where = "cpu" if name == "core" or device == "cpu" else device
+        if name in SDPA_DTYPES:
+            cost = dense * torch.tensor([], dtype=SDPA_DTYPES[name]).element_size()
+        elif name == "reference":  # the whole cache dequantized to fp32, and its state copy
+            cost = 4 * dense + (packed if where != "cpu" else 0)
+        elif name in GPU_FACTORIES:
+            cost = packed if where != "cpu" else 0
+        else:
+            cost = 0
+        extra[where] = max(extra[where], cost)
+    if n <= REFERENCE_AUTO_LIMIT:  # _add_agreement's reference output, computed on the host
+        extra["cpu"] = max(extra["cpu"], 4 * dense)
+    # Temporaries (scores, outputs, conversions) and the process itself: a quarter more (measured at
+    # 262144 tokens on CPU: a 4.6 GB peak where the tensors above count 3.4 GB).
+    need = {"cpu": (host + extra["cpu"]) * 5 // 4}
+    if device != "cpu":
+        need[device] = extra[device] * 5 // 4
+    return need
+
+
+def _check_memory(layout: CacheLayout, q_heads: int, names: List[str], device: str) -> None:
+    from .memory import check_fits
+
+    for where, need in memory_needed(layout, q_heads, names, device).items():
+        check_fits(need, f"--context {layout.max_seq_len} with --batch {layout.batch}, --kv-heads "
+                   f"{layout.kv_heads}, --head-dim {layout.head_dim}", "lower --context (or --batch, "
+                   "--kv-heads, --head-dim, or name fewer --impls)", where)
 
 
 def _choose_impls(impls: Optional[str], device: str, context: int) -> tuple[List[str], Dict[str, str]]:
@@ -233,12 +287,13 @@ def run_decode_bench(context: int, batch: int = 1, q_heads: int = 32, kv_heads: 
                      threads: Optional[int] = None, device: str = "cpu", impls: Optional[str] = None,
                      repeats: int = 20, config: Optional[PnMixConfig] = None, seed: int = 0) -> dict:
     """The benchmark as data: {"results": [...], "skipped": [...], "machine": {...}, ...}."""
-    _check_args(context, batch, q_heads, kv_heads, head_dim, threads, repeats)
     config = config or PnMixConfig()
+    layout = _check_args(context, batch, q_heads, kv_heads, head_dim, threads, repeats, config)
+    names, skipped = _choose_impls(impls, device, context)
+    _check_memory(layout, q_heads, names, device)
     if threads is not None:
         torch.set_num_threads(threads)
     used_threads = threads or torch.get_num_threads()
-    layout = CacheLayout(config, batch, kv_heads, head_dim, context)
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(batch, kv_heads, context, head_dim, generator=g).half()
     v = torch.randn(batch, kv_heads, context, head_dim, generator=g).half()
@@ -248,7 +303,6 @@ def run_decode_bench(context: int, batch: int = 1, q_heads: int = 32, kv_heads: 
     fill_seconds = time.perf_counter() - start
     ctx = dict(layout=layout, context=context, device=device, k=k, v=v, q=q, state=state, threads=threads)
 
-    names, skipped = _choose_impls(impls, device, context)
     results = []
     outputs: Dict[str, torch.Tensor] = {}
     for name in names:
@@ -358,14 +412,15 @@ def decode_command(context: int, batch: int, q_heads: int, kv_heads: int, head_d
                    device: str, impls: Optional[str], repeats: int, config: Optional[Path],
                    json_path: Optional[Path]) -> int:
     """The CLI's `pnmix bench decode` (pnmix/cli.py): print the table, write JSON, return 0."""
+    from .io import check_output_path, write_json_atomic
     from .manifest import load_manifest
 
+    if json_path is not None:
+        check_output_path(json_path)  # before the run, not after it
     cfg = run_config(load_manifest(None), config).config
     report = run_decode_bench(context, batch, q_heads, kv_heads, head_dim, threads, _resolve_device(device),
                               impls, repeats, cfg)
     print_report(report)
     if json_path is not None:
-        from .io import write_json_atomic
-
         write_json_atomic(json_path, report)
     return 0

@@ -68,6 +68,11 @@ def parse_seeds(text: Optional[str], default: List[int]) -> List[int]:
         raise PnMixError(f"--seeds must be comma-separated integers, got {text!r}") from None
     if not seeds:
         raise PnMixError("--seeds names no seed")
+    from .model import SEED_RANGE
+
+    bad = [seed for seed in seeds if not SEED_RANGE[0] <= seed <= SEED_RANGE[1]]
+    if bad:
+        raise PnMixError(f"--seeds: {bad[0]} is outside {SEED_RANGE[0]}..{SEED_RANGE[1]} (a torch seed)")
     return seeds
 
 

@@ -23,6 +23,7 @@ Q_HEADS = 4
 KV_HEADS = 2
 HEAD_DIM = 32
 ROPE_BASE = 10000.0
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # the seeds torch.manual_seed takes
 
 
 def rope_tables(max_positions: int, head_dim: int = HEAD_DIM, base: float = ROPE_BASE):

@@ -36,6 +36,11 @@ from .errors import PnMixError
 PLUGIN_LIBRARY = "libpnmix_trt_plugins.so"
 ORDER_INPUT_NOTE = "ordering input: the append runs after the attention (its data is not read)"
 DECODE_PROFILE, PREFILL_PROFILE = 0, 1
+SIDECAR_FORMAT = "pnmix-engine-1"
+# Fields of the description besides format/config/capacity/batch/seed/profiles: informational,
+# each checked for its type when present (hand-written or older descriptions may lack them).
+SIDECAR_NOTES = {"tensorrt_version": str, "onnx": str, "plugins": str, "precision": str, "refittable": bool}
+SIDECAR_PROFILES = ("decode", "prefill", "max_prefill")
 
 
 # ---------------------------------------------------------------------------------------
@@ -223,9 +228,10 @@ def _add_profiles(trt, builder, network, config, shapes, capacity: int) -> None:
 def build_engine(model: Path, plugins: Path, output: Path, fp16: bool = False, bf16: bool = False,
                  max_seq_len: Optional[int] = None) -> Dict[str, Any]:
     """Build and write the engine and its sidecar; returns the sidecar's content."""
-    from .io import write_bytes_atomic, write_json_atomic
+    from .io import check_output_path, write_described_atomic
 
     plugins = check_plugin_path(plugins)
+    check_output_path(output)  # before the build, not after it
     precision = _precision_note(fp16, bf16)
     onnx_model, info = read_onnx(model)
     shapes = profile_shapes(info.max_seq_len, info.batch, max_seq_len)
@@ -249,9 +255,8 @@ def build_engine(model: Path, plugins: Path, output: Path, fp16: bool = False, b
     serialized = builder.build_serialized_network(network, config)
     if serialized is None:
         raise PnMixError(f"TensorRT could not build the engine: {log.last_error or 'see the log above'}")
-    write_bytes_atomic(output, bytes(serialized))
     sidecar = {
-        "format": "pnmix-engine-1",
+        "format": SIDECAR_FORMAT,
         "tensorrt_version": trt.__version__,
         "onnx": str(Path(model).resolve()),
         "plugins": str(Path(plugins).resolve()),
@@ -264,7 +269,8 @@ def build_engine(model: Path, plugins: Path, output: Path, fp16: bool = False, b
         "profiles": {"decode": DECODE_PROFILE, "prefill": PREFILL_PROFILE,
                      "max_prefill": shapes[PREFILL_PROFILE]["tokens"][2][1]},
     }
-    write_json_atomic(sidecar_path(output), sidecar)
+    # One step for both: a failure never leaves the new plan beside the old plan's description.
+    write_described_atomic(output, bytes(serialized), sidecar_path(output), sidecar)
     return sidecar
 
 
@@ -273,7 +279,11 @@ def sidecar_path(plan: Path) -> Path:
     return plan.with_name(plan.name + ".json")
 
 
+
+
 def read_sidecar(plan: Path) -> Dict[str, Any]:
+    """The engine's description, every field checked (one-line PnMixError naming the field);
+    its "config" comes back as written (a dict), already validated by PnMixConfig."""
     path = sidecar_path(plan)
     if not path.exists():
         raise PnMixError(f"engine description not found: {path} (written by `pnmix build-engine` next to the plan)")
@@ -281,9 +291,54 @@ def read_sidecar(plan: Path) -> Dict[str, Any]:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise PnMixError(f"cannot read the engine description {path}: {exc}") from None
-    if not isinstance(data, dict) or data.get("format") != "pnmix-engine-1":
+    if not isinstance(data, dict) or data.get("format") != SIDECAR_FORMAT:
         raise PnMixError(f"{path} is not a pnmix engine description")
+    try:
+        _check_sidecar(data)
+    except PnMixError as exc:
+        raise PnMixError(f"engine description {path}: {exc}") from None
     return data
+
+
+def _check_sidecar(data: Dict[str, Any]) -> None:
+    from .config import CONFIG_FIELDS, PnMixConfig
+    from .format import CacheLayout
+    from .model import HEAD_DIM, KV_HEADS, SEED_RANGE
+
+    known = {"format", "config", "capacity", "batch", "seed", "profiles", *SIDECAR_NOTES}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise PnMixError(f"unknown field '{unknown[0]}'")
+    missing = [name for name in ("config", "capacity", "batch", "seed", "profiles") if name not in data]
+    if missing:
+        raise PnMixError(f"field '{missing[0]}' is missing (rebuild the engine with `pnmix build-engine`)")
+    config = PnMixConfig.from_mapping(data["config"])
+    absent = [name for name in CONFIG_FIELDS if name not in data["config"]]
+    if absent:  # build-engine writes every field, and the C++ example reads every one
+        raise PnMixError(f"field 'config' lacks '{absent[0]}'")
+    for name in ("capacity", "batch"):
+        _need_int(data, name, 1)
+    _need_int(data, "seed", *SEED_RANGE)
+    CacheLayout(config, data["batch"], KV_HEADS, HEAD_DIM, data["capacity"])  # the layout's own limits
+    for name, kind in SIDECAR_NOTES.items():
+        if name in data and not isinstance(data[name], kind):
+            raise PnMixError(f"field '{name}' must be a {kind.__name__}, got {data[name]!r}")
+    profiles = data["profiles"]
+    if not isinstance(profiles, dict) or sorted(profiles) != sorted(SIDECAR_PROFILES):
+        raise PnMixError(f"field 'profiles' must be an object with exactly {', '.join(SIDECAR_PROFILES)}, "
+                         f"got {profiles!r}")
+    for name, index in (("decode", DECODE_PROFILE), ("prefill", PREFILL_PROFILE)):
+        if profiles[name] != index or isinstance(profiles[name], bool):
+            raise PnMixError(f"field 'profiles.{name}' must be {index} (the profile order build-engine uses), "
+                             f"got {profiles[name]!r}")
+    _need_int(profiles, "max_prefill", 1, data["capacity"], "profiles.")
+
+
+def _need_int(fields: Dict[str, Any], name: str, lo: int, hi: Optional[int] = None, prefix: str = "") -> None:
+    value = fields[name]
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
+        allowed = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+        raise PnMixError(f"field '{prefix}{name}' must be an integer {allowed}, got {value!r}")
 
 
 def build_engine_command(model: Path, plugins: Path, output: Path, fp16: bool = False, bf16: bool = False,

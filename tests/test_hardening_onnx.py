@@ -121,10 +121,6 @@ def test_build_engine_refuses_escaping_external_data_before_tensorrt(export_byte
     plugins = tmp_path / "libpnmix_trt_plugins.so"
     plugins.write_bytes(b"\x7fELF")
     code, lines = _cli("build-engine", path, "--plugins", plugins, "-o", tmp_path / "e.plan")
-    if code == 2 and lines and "external data" not in lines[0]:
-        pytest.xfail("reported: build-engine reads the model with onnx.load_model(load_external_data=False) and "
-                     "never checks external-data locations (TensorRT's parser would follow them); "
-                     f"it said: {lines[0]}")
     assert code == 2 and len(lines) == 1 and "external data" in lines[0], lines
 
 
@@ -188,3 +184,94 @@ def test_engine_sidecar_problems_are_one_line(tmp_path):
         (tmp_path / "e.plan.json").write_text(content, errors="surrogateescape")
         with pytest.raises(PnMixError):
             trt.read_sidecar(plan)
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"config": None}, "'config' is missing"),
+    ({"config": {"group_size": "eight"}}, "group_size"),
+    ({"config": {"group_size": 8}}, "lacks"),
+    ({"config": [1, 2]}, "JSON object"),
+    ({"capacity": None}, "'capacity' is missing"),
+    ({"capacity": 0}, "'capacity'"),
+    ({"capacity": "448"}, "'capacity'"),
+    ({"capacity": 1 << 50}, "max_seq_len"),
+    ({"batch": -1}, "'batch'"),
+    ({"batch": True}, "'batch'"),
+    ({"seed": 1.5}, "'seed'"),
+    ({"seed": 1 << 70}, "'seed'"),
+    ({"profiles": None}, "'profiles' is missing"),
+    ({"profiles": {"decode": 0, "prefill": 1}}, "'profiles'"),
+    ({"profiles": {"decode": 1, "prefill": 0, "max_prefill": 384}}, "profiles.decode"),
+    ({"profiles": {"decode": 0, "prefill": 1, "max_prefill": 449}}, "profiles.max_prefill"),
+    ({"profiles": {"decode": 0, "prefill": 1, "max_prefill": 0}}, "profiles.max_prefill"),
+    ({"precision": 16}, "'precision'"),
+    ({"refittable": "yes"}, "'refittable'"),
+    ({"capacitty": 448}, "unknown field 'capacitty'"),
+])
+def test_every_engine_sidecar_field_is_checked(tmp_path, change, words):
+    import json
+
+    trt = pytest.importorskip("pnmix.trt", reason="pnmix.trt is not built yet")
+    good = {"format": "pnmix-engine-1", "config": PnMixConfig().to_dict(), "capacity": 448, "batch": 1,
+            "seed": 42, "precision": "fp32", "refittable": True,
+            "profiles": {"decode": 0, "prefill": 1, "max_prefill": 384}}
+    plan = tmp_path / "e.plan"
+    plan.write_bytes(b"junk")
+    trt.sidecar_path(plan).write_text(json.dumps(good))
+    assert trt.read_sidecar(plan) == good
+    bad = dict(good)
+    for key, value in change.items():
+        if value is None:
+            del bad[key]
+        else:
+            bad[key] = value
+    trt.sidecar_path(plan).write_text(json.dumps(bad))
+    with pytest.raises(PnMixError) as info:
+        trt.read_sidecar(plan)
+    assert "\n" not in str(info.value) and words in str(info.value), str(info.value)
+
+
+# ---------------------------------------------------------------------------------------
+# Capacities with no group slot (capacity < sink_tokens + residual_size): the graph's group
+# path is empty, and ONNX Runtime must still run prefill, decode and evaluation like the reference
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config, capacity, prefill", [
+    (CONFIG, 3, 2),                 # inside the sink
+    (CONFIG, 12, 7),                # sink and part of the residual
+    (CONFIG, 19, 10),               # one token short of the first group
+    (CONFIG, 20, 10),               # exactly one group slot, flushed by the last decode
+    (PnMixConfig(group_size=8, residual_size=8, sink_tokens=0, value_bits=3, key_low_bits=3), 7, 4),
+    (PnMixConfig(), 100, 90),       # the manifest's config: bench onnx --max-seq-len 100
+])
+def test_small_capacities_run_in_onnxruntime_like_the_reference(tmp_path, config, capacity, prefill):
+    pytest.importorskip("onnxruntime")
+    import torch
+
+    from pnmix.backends.base import OpsBackend
+    from pnmix.backends.onnx_backend import OnnxBackend
+    from pnmix.backends.torch_ops import TorchOps
+    from pnmix.dataset import protocol_tokens
+    from pnmix.format import CacheLayout, dump_state
+    from pnmix.model import HEAD_DIM, KV_HEADS
+
+    groups = CacheLayout(config, 1, KV_HEADS, HEAD_DIM, capacity).max_groups
+    assert groups == (1 if capacity == config.sink_tokens + config.residual_size else 0)
+    path = exporter.export_onnx(tmp_path / "small.onnx", config, max_seq_len=capacity, seed=42).path
+    onnx_backend = OnnxBackend(config, 42, capacity, model=path)
+    reference = OpsBackend(TorchOps(), config, 42, capacity)
+    tokens = protocol_tokens(capacity)
+    steps = [(0, prefill)] + [(at, 1) for at in range(prefill, capacity)]  # prefill, then decode to the full capacity
+    for at, n in steps:
+        got = onnx_backend.step(tokens[:, at:at + n], at, write=True)
+        want = reference.step(tokens[:, at:at + n], at, write=True)
+        assert got.shape == want.shape and torch.isfinite(got).all()
+        assert (got - want).abs().max().item() <= 2e-3, (at, n)
+    evaluated = min(capacity, 4)  # evaluation: the last tokens again, read-only
+    got = onnx_backend.step(tokens[:, capacity - evaluated:], capacity, write=False)
+    want = reference.step(tokens[:, capacity - evaluated:], capacity, write=False)
+    assert (got - want).abs().max().item() <= 2e-3
+    layout, state, seq_len = onnx_backend.state()
+    assert seq_len == capacity
+    assert dump_state(layout, state, capacity) == dump_state(*reference.state())
