@@ -103,14 +103,15 @@ def check_queries(layout: CacheLayout, seq_len: int, q: torch.Tensor, k_new, v_n
 AppendFn = Callable[[CacheLayout, State, int, torch.Tensor, torch.Tensor], None]
 
 
-def default_append(device: torch.device) -> AppendFn:
-    """The Triton kernels on CUDA devices when triton is installed, else the reference."""
+def default_ops(device: torch.device):
+    """(append, attend): the Triton kernels on CUDA devices when triton is installed, else the
+    reference (always on CPU: the reference is the default there)."""
     if device.type == "cuda":
-        from .backends.triton_ops import append_triton, triton_available
+        from .backends.triton_ops import append_triton, attend_triton, triton_available
 
         if triton_available():
-            return append_triton
-    return append_reference
+            return append_triton, attend_triton
+    return append_reference, reference.attend
 
 
 class PackedKVCache:
@@ -131,7 +132,8 @@ class PackedKVCache:
         self.state: State = self.layout.empty_state(self.device)
         self.seq_len = 0
         self.saliency_computations = 0
-        self._append_fn = append_fn or default_append(self.device)
+        default_append, self._attend_fn = default_ops(self.device)
+        self._append_fn = append_fn or default_append
 
     @property
     def config(self) -> PnMixConfig:
@@ -167,7 +169,9 @@ class PackedKVCache:
     def attend(self, q: torch.Tensor, k_new=None, v_new=None, return_probs: bool = False):
         """Attention of q [B, Hq, nq, D] over the cache and (optionally) not-yet-appended K/V."""
         check_queries(self.layout, self.seq_len, q, k_new, v_new)
-        return reference.attend(q, self.layout, self.state, self.seq_len, k_new, v_new, return_probs)
+        if return_probs:  # probabilities are the reference's business (metrics)
+            return reference.attend(q, self.layout, self.state, self.seq_len, k_new, v_new, True)
+        return self._attend_fn(q, self.layout, self.state, self.seq_len, k_new, v_new)
 
     # ---- inspection -------------------------------------------------------------------------
     def lengths(self):
