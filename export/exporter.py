@@ -11,7 +11,8 @@ The file serves prefill, decode and evaluation alike; the KV cache is explicit s
 
 The model part gathers fp32 q/k/v rows from token tables and applies RoPE with the same
 element-wise ops as pnmix.model.apply_rope, so the fp16 K/V equal the reference's bit for bit.
-Built with onnx.helper directly: every node is ours, nothing is traced.
+Nodes are written with onnx.helper (every node is ours, nothing is traced; not the TorchScript
+exporter), then the model goes through onnx-ir (finish_with_onnx_ir) for its clean-up passes.
 """
 
 from __future__ import annotations
@@ -162,7 +163,24 @@ def build_model(config: PnMixConfig, max_seq_len: int = 4096, batch: int = 1, se
         META_PREFIX + "batch": str(batch),
         META_PREFIX + "config": json.dumps(config.to_dict(), sort_keys=True),
     })
-    return model
+    return finish_with_onnx_ir(model)
+
+
+def finish_with_onnx_ir(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The assembled model through onnx-ir's passes: merge the many identical constants the
+    builder emits, drop what nothing reads, and order nodes topologically (graph and functions)."""
+    import onnx_ir as ir
+    from onnx_ir.passes import PassManager
+    from onnx_ir.passes import common
+
+    ir_model = ir.serde.deserialize_model(model)
+    PassManager([
+        common.CommonSubexpressionEliminationPass(),
+        common.RemoveUnusedNodesPass(),
+        common.RemoveUnusedFunctionsPass(),
+        common.TopologicalSortPass(),
+    ])(ir_model)
+    return ir.serde.serialize_model(ir_model)
 
 
 def build_op_model(op: str, config: PnMixConfig, max_seq_len: int, batch: int = 1, q_heads: int = Q_HEADS,
