@@ -7,7 +7,7 @@
 #   2. build                libpnmix_core + libpnmix_cuda (cmake, sm_80 + sm_90)
 #   3. CUDA kernel tests    tests/test_cuda.py (bytes vs reference, attention within 1e-3)
 #   4. Triton tests         tests/test_triton.py
-#   5. verify               pnmix verify --backend triton --device cuda
+#   5. verify               pnmix verify --backend triton|cuda --device cuda
 #   6. decode benchmark     pnmix bench decode, 4K / 32K / 128K tokens, batch 1 and 8,
 #                           32 query heads, 8 KV heads, head_dim 128: time per step, bytes read,
 #                           GB/s and the ratio against fp16 SDPA; then the kernel alone timed with
@@ -15,7 +15,7 @@
 #   7. TensorRT             only where `import tensorrt` works: build the plugins and the C++
 #                           example, their tests, export -> build-engine -> verify --engine
 #                           (verify_engine.json), pnmix_trt_run (prefill + 64 decode steps)
-# The transcript goes to $OUT/gpu_check.log (or build/gpu_check_logs/), with verify_triton.json and
+# The transcript goes to $OUT/gpu_check.log (or build/gpu_check_logs/), with verify_triton.json, verify_cuda.json and
 # bench_decode.json (all benchmark figures) beside it: few files, as $OUT brings back only 8.
 # A failing step is reported and the later steps still run, so one lease gives every figure;
 # the exit status is non-zero if any step failed.
@@ -87,8 +87,9 @@ else
   echo "tests/test_triton.py not present: skipped"
 fi
 
-banner "5/7 pnmix verify --backend triton --device cuda"
+banner "5/7 pnmix verify --backend triton|cuda --device cuda"
 run verify_triton 240 python3 -m pnmix verify --backend triton --device cuda --json "$LOGS/verify_triton.json"
+run verify_cuda 120 python3 -m pnmix verify --backend cuda --device cuda --json "$LOGS/verify_cuda.json"
 
 banner "6/7 decode attention benchmark"
 if [ "${PNMIX_SKIP_BENCH:-0}" = 1 ]; then
