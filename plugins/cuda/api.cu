@@ -32,11 +32,6 @@ int ok() {
   return PNMIX_OK;
 }
 
-// Names for messages, in STATE_NAMES order (pnmix/format.py).
-const char* const kStateNames[PNMIX_NUM_STATE] = {
-    "sink_k", "sink_v", "residual_k", "residual_v", "key_codes", "key_step",
-    "key_offset", "value_codes", "value_step", "value_offset", "pair_mask"};
-
 int check_layout(const pnmix_layout* layout) {
   if (!layout) return fail(PNMIX_ERR_NULL, "layout is null");
   if (const char* bad = layout_error(*layout)) return fail(PNMIX_ERR_CONFIG, "%s", bad);
@@ -61,9 +56,9 @@ int check_state(const pnmix_layout& L, const pnmix_state* state) {
   for (int i = 0; i < PNMIX_NUM_STATE; ++i) {
     const int64_t want = state_bytes(L, i);
     if (state->nbytes[i] != want)
-      return fail(PNMIX_ERR_SIZE, "state tensor '%s' has %lld bytes, the layout needs %lld", kStateNames[i],
+      return fail(PNMIX_ERR_SIZE, "state tensor '%s' has %lld bytes, the layout needs %lld", state_name(i),
                   (long long)state->nbytes[i], (long long)want);
-    if (want && !state->data[i]) return fail(PNMIX_ERR_NULL, "state tensor '%s' is null", kStateNames[i]);
+    if (want && !state->data[i]) return fail(PNMIX_ERR_NULL, "state tensor '%s' is null", state_name(i));
   }
   return PNMIX_OK;
 }
@@ -72,7 +67,7 @@ int check_state_pointers(const pnmix_layout& L, const pnmix_state* state) {
   for (int i = 0; i < PNMIX_NUM_STATE; ++i) {
     if (!state_bytes(L, i)) continue;
     char what[64];
-    snprintf(what, sizeof what, "state tensor '%s'", kStateNames[i]);
+    snprintf(what, sizeof what, "state tensor '%s'", state_name(i));
     if (const int err = check_device_pointer(state->data[i], what)) return err;
   }
   return PNMIX_OK;

@@ -35,9 +35,6 @@
 
 namespace {
 
-const char* const kStateNames[PNMIX_NUM_STATE] = {"sink_k",     "sink_v",       "residual_k", "residual_v",
-                                                   "key_codes",  "key_step",     "key_offset", "value_codes",
-                                                   "value_step", "value_offset", "pair_mask"};
 
 [[noreturn]] void die(const std::string& message) {
   std::fprintf(stderr, "error: %s\n", message.c_str());
@@ -174,8 +171,8 @@ struct Runner {
               context->setTensorAddress("output", output->ptr);
     for (int i = 0; i < PNMIX_NUM_STATE; ++i) {
       // In place: the state input and its present_ output are one device buffer.
-      const std::string present = std::string("present_") + kStateNames[i];
-      ok = ok && context->setTensorAddress(kStateNames[i], state[i]->ptr) &&
+      const std::string present = std::string("present_") + pnmix::state_name(i);
+      ok = ok && context->setTensorAddress(pnmix::state_name(i), state[i]->ptr) &&
            context->setTensorAddress(present.c_str(), state[i]->ptr);
     }
     if (!ok) die("binding the engine's tensors failed: was it built from a pnmix export?");
@@ -247,9 +244,9 @@ int main(int argc, char** argv) {
   pnmix_layout L{config, r.batch, sink.d[1], sink.d[3], capacity};
   if (const char* bad = pnmix::layout_error(L)) die(std::string("engine description: ") + bad);
   for (int i = 0; i < PNMIX_NUM_STATE; ++i) {
-    const int64_t bytes = volume(engine->getTensorShape(kStateNames[i])) * pnmix::state_elem_bytes(i);
+    const int64_t bytes = volume(engine->getTensorShape(pnmix::state_name(i))) * pnmix::state_elem_bytes(i);
     if (bytes != pnmix::state_bytes(L, i))
-      die(std::string("state tensor ") + kStateNames[i] + " does not match docs/FORMAT.md for this config");
+      die(std::string("state tensor ") + pnmix::state_name(i) + " does not match docs/FORMAT.md for this config");
     r.state.emplace_back(new DeviceBuffer(static_cast<size_t>(bytes)));
     cuda_check(cudaMemsetAsync(r.state.back()->ptr, 0, r.state.back()->bytes, r.stream), "cudaMemset");
   }

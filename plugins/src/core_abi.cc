@@ -44,10 +44,6 @@ int ok() {
   return PNMIX_OK;
 }
 
-const char* const kStateNames[PNMIX_NUM_STATE] = {
-    "sink_k", "sink_v", "residual_k", "residual_v", "key_codes", "key_step",
-    "key_offset", "value_codes", "value_step", "value_offset", "pair_mask"};
-
 // a * b * ... as int64, or -1 when the product overflows (a caller's sizes must never wrap around)
 int64_t product(std::initializer_list<int64_t> factors) {
   int64_t out = 1;
@@ -68,11 +64,11 @@ int check_state(const pnmix_layout& L, const pnmix_state* state) {
   for (int i = 0; i < PNMIX_NUM_STATE; ++i) {
     const int64_t want = state_bytes(L, i);
     if (state->nbytes[i] != want)
-      return fail(PNMIX_ERR_SIZE, "state tensor '%s' has %lld bytes, the layout needs %lld", kStateNames[i],
+      return fail(PNMIX_ERR_SIZE, "state tensor '%s' has %lld bytes, the layout needs %lld", state_name(i),
                   (long long)state->nbytes[i], (long long)want);
-    if (want && !state->data[i]) return fail(PNMIX_ERR_NULL, "state tensor '%s' pointer is null", kStateNames[i]);
+    if (want && !state->data[i]) return fail(PNMIX_ERR_NULL, "state tensor '%s' pointer is null", state_name(i));
     if (state_elem_bytes(i) == 2 && ((uintptr_t)state->data[i] & 1))
-      return fail(PNMIX_ERR_SIZE, "state tensor '%s' is not 2-byte aligned", kStateNames[i]);
+      return fail(PNMIX_ERR_SIZE, "state tensor '%s' is not 2-byte aligned", state_name(i));
   }
   return PNMIX_OK;
 }

@@ -29,10 +29,6 @@ namespace {
 std::mutex g_logger_mutex;
 nvinfer1::ILoggerFinder* g_logger_finder = nullptr;
 
-const char* const kStateNames[PNMIX_NUM_STATE] = {"sink_k",     "sink_v",     "residual_k",  "residual_v",
-                                                   "key_codes",  "key_step",   "key_offset",  "value_codes",
-                                                   "value_step", "value_offset", "pair_mask"};
-
 bool is_scalar(const Dims& d) { return d.nbDims == 0 || (d.nbDims == 1 && d.d[0] == 1); }
 
 // Two extents agree when equal or when either is only known at run time (-1).
@@ -138,7 +134,7 @@ bool check_shapes(const IoMap& io, const pnmix_config& config, const Dims* dims,
     if (!fits) {
       char why[160];
       snprintf(why, sizeof why, "state tensor '%s' does not have the capacity shape of docs/FORMAT.md section 3",
-               kStateNames[i]);
+               pnmix::state_name(i));
       return bad(why);
     }
   }

@@ -63,6 +63,14 @@ PNMIX_HD inline int64_t max_groups(const pnmix_layout& L) {
 
 // ---- section 3: the state tensors ------------------------------------------------------------
 
+// Name of state tensor i, as pnmix/format.py STATE_NAMES (ONNX input names; messages).
+inline const char* state_name(int i) {
+  static const char* const kNames[PNMIX_NUM_STATE] = {
+      "sink_k", "sink_v", "residual_k", "residual_v", "key_codes", "key_step",
+      "key_offset", "value_codes", "value_step", "value_offset", "pair_mask"};
+  return (i >= 0 && i < PNMIX_NUM_STATE) ? kNames[i] : "?";
+}
+
 // Element size in bytes of state tensor i (fp16 = 2, codes and mask = 1).
 PNMIX_HD inline int64_t state_elem_bytes(int i) {
   return (i == PNMIX_KEY_CODES || i == PNMIX_VALUE_CODES || i == PNMIX_PAIR_MASK) ? 1 : 2;
