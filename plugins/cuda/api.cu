@@ -162,18 +162,7 @@ int pnmix_cuda_append(const pnmix_layout* layout, const pnmix_state* state, int6
   if (const int err = check_device_pointer(v, "new values")) return err;
   if (const int err = check_workspace(workspace, workspace_bytes, needed)) return err;
 
-  void* const* d = state->data;
-  p.sink_k = static_cast<uint16_t*>(d[PNMIX_SINK_K]);
-  p.sink_v = static_cast<uint16_t*>(d[PNMIX_SINK_V]);
-  p.residual_k = static_cast<uint16_t*>(d[PNMIX_RESIDUAL_K]);
-  p.residual_v = static_cast<uint16_t*>(d[PNMIX_RESIDUAL_V]);
-  p.key_codes = static_cast<uint8_t*>(d[PNMIX_KEY_CODES]);
-  p.key_step = static_cast<uint16_t*>(d[PNMIX_KEY_STEP]);
-  p.key_offset = static_cast<uint16_t*>(d[PNMIX_KEY_OFFSET]);
-  p.value_codes = static_cast<uint8_t*>(d[PNMIX_VALUE_CODES]);
-  p.value_step = static_cast<uint16_t*>(d[PNMIX_VALUE_STEP]);
-  p.value_offset = static_cast<uint16_t*>(d[PNMIX_VALUE_OFFSET]);
-  p.pair_mask = static_cast<uint8_t*>(d[PNMIX_PAIR_MASK]);
+  p.state = state_view<true>(state->data);
   p.k = k;
   p.v = v;
   int64_t offsets[4];
@@ -235,20 +224,9 @@ int pnmix_cuda_attend(const pnmix_layout* layout, const pnmix_state* state, int6
   }
   if (const int err = check_workspace(workspace, workspace_bytes, needed)) return err;
 
-  void* const* d = state->data;
   p.q_dtype = q_dtype;
   p.q = q;
-  p.sink_k = static_cast<const uint16_t*>(d[PNMIX_SINK_K]);
-  p.sink_v = static_cast<const uint16_t*>(d[PNMIX_SINK_V]);
-  p.residual_k = static_cast<const uint16_t*>(d[PNMIX_RESIDUAL_K]);
-  p.residual_v = static_cast<const uint16_t*>(d[PNMIX_RESIDUAL_V]);
-  p.key_codes = static_cast<const uint8_t*>(d[PNMIX_KEY_CODES]);
-  p.key_step = static_cast<const uint16_t*>(d[PNMIX_KEY_STEP]);
-  p.key_offset = static_cast<const uint16_t*>(d[PNMIX_KEY_OFFSET]);
-  p.value_codes = static_cast<const uint8_t*>(d[PNMIX_VALUE_CODES]);
-  p.value_step = static_cast<const uint16_t*>(d[PNMIX_VALUE_STEP]);
-  p.value_offset = static_cast<const uint16_t*>(d[PNMIX_VALUE_OFFSET]);
-  p.pair_mask = static_cast<const uint8_t*>(d[PNMIX_PAIR_MASK]);
+  p.state = state_view<false>(state->data);
   p.k_new = k_new;
   p.v_new = v_new;
   p.out = out;

@@ -56,7 +56,7 @@ __global__ void __launch_bounds__(kThreads) pair_mask_kernel(const AppendParams 
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    uint8_t* mask = p.pair_mask + b * p.mask_bytes;
+    uint8_t* mask = p.state.pair_mask + b * p.mask_bytes;
     for (int64_t i = 0; i < p.mask_bytes; ++i) mask[i] = 0;
     for (int64_t h = 0; h < H; ++h)
       for (int64_t pair = 0; pair < p.pairs; ++pair)
@@ -70,8 +70,8 @@ __global__ void __launch_bounds__(kThreads) sink_kernel(const AppendParams p) {
   const int64_t bh = blockIdx.x, D = p.layout.head_dim, S = p.layout.config.sink_tokens;
   const int64_t bytes = p.into_sink * D * 2;
   const int64_t dst = (bh * S + p.before.sink) * D, src = bh * p.n * D;
-  block_copy_bytes(reinterpret_cast<uint8_t*>(p.sink_k + dst), reinterpret_cast<const uint8_t*>(p.k + src), bytes);
-  block_copy_bytes(reinterpret_cast<uint8_t*>(p.sink_v + dst), reinterpret_cast<const uint8_t*>(p.v + src), bytes);
+  block_copy_bytes(reinterpret_cast<uint8_t*>(p.state.sink_k + dst), reinterpret_cast<const uint8_t*>(p.k + src), bytes);
+  block_copy_bytes(reinterpret_cast<uint8_t*>(p.state.sink_v + dst), reinterpret_cast<const uint8_t*>(p.v + src), bytes);
 }
 
 // ---- 3. groups ------------------------------------------------------------------------------------
@@ -92,9 +92,9 @@ __global__ void __launch_bounds__(kThreads) gather_kernel(const AppendParams p) 
   for (int64_t t = 0; t < gs; ++t) {
     const int64_t s = j * gs + t;
     block_copy_bytes(reinterpret_cast<uint8_t*>(p.gather_k + out + t * D),
-                     reinterpret_cast<const uint8_t*>(stream_row(p, p.residual_k, p.k, bh, s)), D * 2);
+                     reinterpret_cast<const uint8_t*>(stream_row(p, p.state.residual_k, p.k, bh, s)), D * 2);
     block_copy_bytes(reinterpret_cast<uint8_t*>(p.gather_v + out + t * D),
-                     reinterpret_cast<const uint8_t*>(stream_row(p, p.residual_v, p.v, bh, s)), D * 2);
+                     reinterpret_cast<const uint8_t*>(stream_row(p, p.state.residual_v, p.v, bh, s)), D * 2);
   }
 }
 
@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(kThreads) group_kernel(const AppendParams p) {
     values = p.v + at;
   }
 
-  block_key_channel_layout(L, p.pair_mask + b * p.mask_bytes, h, bits_s, offset_s);
+  block_key_channel_layout(L, p.state.pair_mask + b * p.mask_bytes, h, bits_s, offset_s);
   for (int64_t i = threadIdx.x; i < KB; i += blockDim.x) key_s[i] = 0;
   __syncthreads();
 
@@ -133,8 +133,8 @@ __global__ void __launch_bounds__(kThreads) group_kernel(const AppendParams p) {
   for (int64_t c = threadIdx.x; c < D; c += blockDim.x) {
     const int bits = bits_s[c];
     const QParams qp = fit_affine(keys + c, gs, D, bits);
-    p.key_step[row * D + c] = qp.step;
-    p.key_offset[row * D + c] = qp.offset;
+    p.state.key_step[row * D + c] = qp.step;
+    p.state.key_offset[row * D + c] = qp.offset;
     const float s = half_to_float(qp.step), o = half_to_float(qp.offset);
     uint8_t* stream = key_s + offset_s[c];
     const int64_t nbytes = gs * bits / 8;
@@ -143,11 +143,11 @@ __global__ void __launch_bounds__(kThreads) group_kernel(const AppendParams p) {
   }
   for (int64_t t = threadIdx.x; t < gs; t += blockDim.x) {
     const int64_t token = row * gs + t;
-    quantize_value_token(L, values + t * D, value_s + t * VB, p.value_step + token * NVB, p.value_offset + token * NVB);
+    quantize_value_token(L, values + t * D, value_s + t * VB, p.state.value_step + token * NVB, p.state.value_offset + token * NVB);
   }
   __syncthreads();
-  block_copy_bytes(p.key_codes + row * KB, key_s, KB);
-  block_copy_bytes(p.value_codes + row * gs * VB, value_s, gs * VB);
+  block_copy_bytes(p.state.key_codes + row * KB, key_s, KB);
+  block_copy_bytes(p.state.value_codes + row * gs * VB, value_s, gs * VB);
 }
 
 // ---- 4. the residual ---------------------------------------------------------------------------------
@@ -181,11 +181,11 @@ __global__ void __launch_bounds__(kThreads) residual_kernel(const AppendParams p
   const int64_t first = shift == 0 ? p.before.residual : 0;  // unchanged rows stay
   const int64_t end = p.after.residual;
   if (vector16) {
-    move_rows<uint4>(p, p.residual_k, p.k, bh, first, end, shift);
-    move_rows<uint4>(p, p.residual_v, p.v, bh, first, end, shift);
+    move_rows<uint4>(p, p.state.residual_k, p.k, bh, first, end, shift);
+    move_rows<uint4>(p, p.state.residual_v, p.v, bh, first, end, shift);
   } else {
-    move_rows<uint16_t>(p, p.residual_k, p.k, bh, first, end, shift);
-    move_rows<uint16_t>(p, p.residual_v, p.v, bh, first, end, shift);
+    move_rows<uint16_t>(p, p.state.residual_k, p.k, bh, first, end, shift);
+    move_rows<uint16_t>(p, p.state.residual_v, p.v, bh, first, end, shift);
   }
 }
 
@@ -250,7 +250,7 @@ cudaError_t launch_append(const AppendParams& p, cudaStream_t stream) {
     }
     group_kernel<<<dim3((unsigned)p.new_groups, (unsigned)BH), kThreads, p.group_smem, stream>>>(p);
   }
-  const uintptr_t any = reinterpret_cast<uintptr_t>(p.residual_k) | reinterpret_cast<uintptr_t>(p.residual_v) |
+  const uintptr_t any = reinterpret_cast<uintptr_t>(p.state.residual_k) | reinterpret_cast<uintptr_t>(p.state.residual_v) |
                         reinterpret_cast<uintptr_t>(p.k) | reinterpret_cast<uintptr_t>(p.v);
   const int vector16 = (L.head_dim % 8 == 0) && (any & 15) == 0;
   if (p.after.residual > (p.new_groups ? 0 : p.before.residual))

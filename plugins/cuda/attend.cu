@@ -79,8 +79,8 @@ __device__ inline Tile locate_tile(const AttendParams& p, int64_t bh, int64_t ti
   t.group = 0;
   if (tile < p.tiles_sink) {
     const int64_t first = tile * kF16Tile;
-    t.k = p.sink_k + (bh * S + first) * D;
-    t.v = p.sink_v + (bh * S + first) * D;
+    t.k = p.state.sink_k + (bh * S + first) * D;
+    t.v = p.state.sink_v + (bh * S + first) * D;
     t.count = (int)min((int64_t)kF16Tile, p.cache.sink - first);
     t.pos0 = first;
     return t;
@@ -97,8 +97,8 @@ __device__ inline Tile locate_tile(const AttendParams& p, int64_t bh, int64_t ti
   tile -= p.cache.groups;
   if (tile < p.tiles_residual) {
     const int64_t first = tile * kF16Tile;
-    t.k = p.residual_k + (bh * R + first) * D;
-    t.v = p.residual_v + (bh * R + first) * D;
+    t.k = p.state.residual_k + (bh * R + first) * D;
+    t.v = p.state.residual_v + (bh * R + first) * D;
     t.count = (int)min((int64_t)kF16Tile, p.cache.residual - first);
     t.pos0 = p.cache.sink + p.cache.groups * gs + first;
     return t;
@@ -365,7 +365,7 @@ __global__ void __launch_bounds__(kThreads) attend_split_kernel(const AttendPara
     m_s[threadIdx.x] = -INFINITY;
     l_s[threadIdx.x] = 0.0f;
   }
-  if (p.cache.groups) block_key_channel_layout(L, p.pair_mask + b * p.mask_bytes, h, bits_s, offset_s);
+  if (p.cache.groups) block_key_channel_layout(L, p.state.pair_mask + b * p.mask_bytes, h, bits_s, offset_s);
 
   float acc[ROWS][2];  // SIMT accumulators: output channels tid and tid + kThreads
 #pragma unroll
@@ -390,17 +390,17 @@ __global__ void __launch_bounds__(kThreads) attend_split_kernel(const AttendPara
     uint16_t* v_rows = k_rows + kF16Tile * f16_row(D);
     if (t.kind == Tile::kGroup) {
       const int64_t row = bh * G + t.group;
-      block_stage_bytes(key_codes, p.key_codes + row * KB, KB);
-      block_stage_bytes(value_codes, p.value_codes + row * gs * VB, gs * VB);
+      block_stage_bytes(key_codes, p.state.key_codes + row * KB, KB);
+      block_stage_bytes(value_codes, p.state.value_codes + row * gs * VB, gs * VB);
       for (int64_t i = threadIdx.x; i < gs * NVB; i += blockDim.x)
-        value_params[i] = make_float2(half_bits_to_float(p.value_step[row * gs * NVB + i]),
-                                      half_bits_to_float(p.value_offset[row * gs * NVB + i]));
+        value_params[i] = make_float2(half_bits_to_float(p.state.value_step[row * gs * NVB + i]),
+                                      half_bits_to_float(p.state.value_offset[row * gs * NVB + i]));
       float qoff[ROWS];
 #pragma unroll
       for (int r = 0; r < ROWS; ++r) qoff[r] = 0.0f;
       for (int c = threadIdx.x; c < D; c += blockDim.x) {
-        const float step = half_bits_to_float(p.key_step[row * D + c]);
-        const float offset = half_bits_to_float(p.key_offset[row * D + c]);
+        const float step = half_bits_to_float(p.state.key_step[row * D + c]);
+        const float offset = half_bits_to_float(p.state.key_offset[row * D + c]);
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
           if constexpr (!MMA) w_s[c * ROWS + r] = q_s[c * ROWS + r] * step;
@@ -412,8 +412,8 @@ __global__ void __launch_bounds__(kThreads) attend_split_kernel(const AttendPara
           const int pr = i / 8, n = i % 8;
           float w0 = 0.0f, w1 = 0.0f;
           if (n < ROWS) {
-            w0 = q_s[(2 * pr) * ROWS + n] * half_bits_to_float(p.key_step[row * D + 2 * pr]);
-            w1 = q_s[(2 * pr + 1) * ROWS + n] * half_bits_to_float(p.key_step[row * D + 2 * pr + 1]);
+            w0 = q_s[(2 * pr) * ROWS + n] * half_bits_to_float(p.state.key_step[row * D + 2 * pr]);
+            w1 = q_s[(2 * pr + 1) * ROWS + n] * half_bits_to_float(p.state.key_step[row * D + 2 * pr + 1]);
           }
           split_pair(w0, w1, key_b + i, key_b + D / 2 * 8 + i);
         }

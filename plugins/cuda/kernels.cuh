@@ -31,12 +31,7 @@ struct AppendParams {
   int64_t group_slots;  // G
   int64_t key_group_bytes, value_token_bytes, value_blocks, pairs, mask_bytes, high_bytes;
   // the state (device)
-  uint16_t *sink_k, *sink_v, *residual_k, *residual_v;
-  uint8_t* key_codes;
-  uint16_t *key_step, *key_offset;
-  uint8_t* value_codes;
-  uint16_t *value_step, *value_offset;
-  uint8_t* pair_mask;
+  StateView<true> state;
   const uint16_t *k, *v;  // new tokens [B, H, n, D]
   // workspace
   double* energy;         // [B, H, P]            (seq_len == 0 only)
@@ -76,12 +71,7 @@ struct AttendParams {
   int smem_key_b, smem_value_b, smem_value_offset;  // B operands (fp16 hi/lo pairs), offset sums
   // pointers (device)
   const void* q;
-  const uint16_t *sink_k, *sink_v, *residual_k, *residual_v;
-  const uint8_t* key_codes;
-  const uint16_t *key_step, *key_offset;
-  const uint8_t* value_codes;
-  const uint16_t *value_step, *value_offset;
-  const uint8_t* pair_mask;
+  StateView<false> state;
   const uint16_t *k_new, *v_new;
   float* out;                 // [B, Hq, nq, D]
   float* part_o;              // [splits, out_rows, D]   unnormalized partial outputs

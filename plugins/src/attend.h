@@ -20,12 +20,7 @@ struct AttendJob {
   int64_t splits;
   float scale;
   const float* q;  // fp32 [B, Hq, nq, D]
-  const uint16_t *sink_k, *sink_v, *residual_k, *residual_v;
-  const uint8_t* key_codes;
-  const uint16_t *key_step, *key_offset;
-  const uint8_t* value_codes;
-  const uint16_t *value_step, *value_offset;
-  const uint8_t* pair_mask;
+  StateView<false> state;
   const uint16_t *k_new, *v_new;
   // per item and row: D accumulators, then the running max m and sum l
   float* partial;

@@ -9,6 +9,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "params.h"
 
 namespace pnmix {
@@ -69,6 +71,40 @@ inline const char* state_name(int i) {
       "sink_k", "sink_v", "residual_k", "residual_v", "key_codes", "key_step",
       "key_offset", "value_codes", "value_step", "value_offset", "pair_mask"};
   return (i >= 0 && i < PNMIX_NUM_STATE) ? kNames[i] : "?";
+}
+
+// The eleven state buffers, typed (section 3): what the CPU and CUDA kernels read (Writable =
+// false) or write. state_view builds one from the C ABI's pointers in STATE_NAMES order.
+template <bool Writable>
+struct StateView {
+  template <class T>
+  using Ptr = typename std::conditional<Writable, T*, const T*>::type;
+  Ptr<uint16_t> sink_k, sink_v, residual_k, residual_v;
+  Ptr<uint8_t> key_codes;
+  Ptr<uint16_t> key_step, key_offset;
+  Ptr<uint8_t> value_codes;
+  Ptr<uint16_t> value_step, value_offset;
+  Ptr<uint8_t> pair_mask;
+};
+
+template <bool Writable>
+inline StateView<Writable> state_view(void* const* data) {
+  using View = StateView<Writable>;
+  using Half = typename View::template Ptr<uint16_t>;
+  using Byte = typename View::template Ptr<uint8_t>;
+  View v;
+  v.sink_k = static_cast<Half>(data[PNMIX_SINK_K]);
+  v.sink_v = static_cast<Half>(data[PNMIX_SINK_V]);
+  v.residual_k = static_cast<Half>(data[PNMIX_RESIDUAL_K]);
+  v.residual_v = static_cast<Half>(data[PNMIX_RESIDUAL_V]);
+  v.key_codes = static_cast<Byte>(data[PNMIX_KEY_CODES]);
+  v.key_step = static_cast<Half>(data[PNMIX_KEY_STEP]);
+  v.key_offset = static_cast<Half>(data[PNMIX_KEY_OFFSET]);
+  v.value_codes = static_cast<Byte>(data[PNMIX_VALUE_CODES]);
+  v.value_step = static_cast<Half>(data[PNMIX_VALUE_STEP]);
+  v.value_offset = static_cast<Half>(data[PNMIX_VALUE_OFFSET]);
+  v.pair_mask = static_cast<Byte>(data[PNMIX_PAIR_MASK]);
+  return v;
 }
 
 // Element size in bytes of state tensor i (fp16 = 2, codes and mask = 1).
