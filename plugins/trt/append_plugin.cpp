@@ -47,12 +47,8 @@ bool PnMixAppendPlugin::output_dims(const nvinfer1::DimsExprs* inputs, int32_t, 
   return true;
 }
 
-size_t PnMixAppendPlugin::getWorkspaceSize(const nvinfer1::DynamicPluginTensorDesc* inputs, int32_t nbInputs,
-                                           const nvinfer1::DynamicPluginTensorDesc*, int32_t) const noexcept {
-  Shapes s;
-  if (!workspace_shapes(inputs, nbInputs, &s)) return 0;
-  const int64_t bound = append_workspace_bound(s, inputs[mIo.k_new].max.d[2]);
-  return bound > 0 ? static_cast<size_t>(bound) : 0;
+int64_t PnMixAppendPlugin::workspace_bound(const Shapes& s, const nvinfer1::DynamicPluginTensorDesc* inputs) const noexcept {
+  return append_workspace_bound(s, inputs[mIo.k_new].max.d[2]);
 }
 
 int32_t PnMixAppendPlugin::enqueue(const nvinfer1::PluginTensorDesc* inputDesc, const nvinfer1::PluginTensorDesc*,

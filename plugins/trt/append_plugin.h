@@ -22,13 +22,13 @@ class PnMixAppendPlugin final : public PnMixPluginBase {
                              int32_t nbInputs) const noexcept override;
   bool supportsFormatCombination(int32_t pos, const nvinfer1::DynamicPluginTensorDesc* inOut, int32_t nbInputs,
                                  int32_t nbOutputs) noexcept override;
-  size_t getWorkspaceSize(const nvinfer1::DynamicPluginTensorDesc* inputs, int32_t nbInputs,
-                          const nvinfer1::DynamicPluginTensorDesc* outputs, int32_t nbOutputs) const noexcept override;
   int32_t enqueue(const nvinfer1::PluginTensorDesc* inputDesc, const nvinfer1::PluginTensorDesc* outputDesc,
                   const void* const* inputs, void* const* outputs, void* workspace,
                   cudaStream_t stream) noexcept override;
 
  protected:
+  // Scratch of the CUDA kernels for the profile's largest call (PnMixPluginBase::getWorkspaceSize).
+  int64_t workspace_bound(const Shapes& s, const nvinfer1::DynamicPluginTensorDesc* inputs) const noexcept override;
   bool output_dims(const nvinfer1::DimsExprs* inputs, int32_t nb_inputs, nvinfer1::DimsExprs* outputs,
                    int32_t nb_outputs) const noexcept override;
 };

@@ -43,12 +43,8 @@ bool PnMixAttentionPlugin::output_dims(const nvinfer1::DimsExprs* inputs, int32_
   return true;
 }
 
-size_t PnMixAttentionPlugin::getWorkspaceSize(const nvinfer1::DynamicPluginTensorDesc* inputs, int32_t nbInputs,
-                                              const nvinfer1::DynamicPluginTensorDesc*, int32_t) const noexcept {
-  Shapes s;
-  if (!workspace_shapes(inputs, nbInputs, &s)) return 0;
-  const int64_t bound = attention_workspace_bound(s, inputs[mIo.q].max.d[2]);
-  return bound > 0 ? static_cast<size_t>(bound) : 0;
+int64_t PnMixAttentionPlugin::workspace_bound(const Shapes& s, const nvinfer1::DynamicPluginTensorDesc* inputs) const noexcept {
+  return attention_workspace_bound(s, inputs[mIo.q].max.d[2]);
 }
 
 int32_t PnMixAttentionPlugin::enqueue(const nvinfer1::PluginTensorDesc* inputDesc, const nvinfer1::PluginTensorDesc*,

@@ -314,12 +314,15 @@ bool PnMixPluginBase::shapes_of(const Dims* dims, int32_t nb_inputs, Shapes* out
   return check_shapes(mIo, mConfig, dims, nb_inputs, mLayer.c_str(), out);
 }
 
-bool PnMixPluginBase::workspace_shapes(const nvinfer1::DynamicPluginTensorDesc* inputs, int32_t nb_inputs,
-                                       Shapes* out) const noexcept {
-  if (inputs == nullptr || nb_inputs < mIo.min_inputs || nb_inputs > mIo.max_inputs) return false;
+size_t PnMixPluginBase::getWorkspaceSize(const nvinfer1::DynamicPluginTensorDesc* inputs, int32_t nbInputs,
+                                         const nvinfer1::DynamicPluginTensorDesc*, int32_t) const noexcept {
+  if (inputs == nullptr || nbInputs < mIo.min_inputs || nbInputs > mIo.max_inputs) return 0;
   Dims dims[kMaxInputs];
-  for (int32_t i = 0; i < nb_inputs; ++i) dims[i] = inputs[i].desc.dims;
-  return shapes_of(dims, nb_inputs, out);
+  for (int32_t i = 0; i < nbInputs; ++i) dims[i] = inputs[i].desc.dims;
+  Shapes s;
+  if (!shapes_of(dims, nbInputs, &s)) return 0;
+  const int64_t bound = workspace_bound(s, inputs);
+  return bound > 0 ? static_cast<size_t>(bound) : 0;
 }
 
 bool PnMixPluginBase::begin_enqueue(const PluginTensorDesc* in, const void* const* inputs, void* const* outputs,

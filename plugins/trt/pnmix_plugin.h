@@ -118,6 +118,8 @@ class PnMixPluginBase : public nvinfer1::IPluginV3,
   int32_t getOutputShapes(const nvinfer1::DimsExprs* inputs, int32_t nbInputs, const nvinfer1::DimsExprs* shapeInputs,
                           int32_t nbShapeInputs, nvinfer1::DimsExprs* outputs, int32_t nbOutputs,
                           nvinfer1::IExprBuilder& exprBuilder) noexcept override;
+  size_t getWorkspaceSize(const nvinfer1::DynamicPluginTensorDesc* inputs, int32_t nbInputs,
+                          const nvinfer1::DynamicPluginTensorDesc* outputs, int32_t nbOutputs) const noexcept override;
   const char* getTimingCacheID() noexcept override { return mMetadata.c_str(); }
   const char* getMetadataString() noexcept override { return mMetadata.c_str(); }
 
@@ -130,8 +132,8 @@ class PnMixPluginBase : public nvinfer1::IPluginV3,
  protected:
   // The shapes of the inputs' dims; logs and returns false when they do not fit together.
   bool shapes_of(const nvinfer1::Dims* dims, int32_t nb_inputs, Shapes* out) const noexcept;
-  // The shapes getWorkspaceSize sizes for; false when the inputs do not fit together.
-  bool workspace_shapes(const nvinfer1::DynamicPluginTensorDesc* inputs, int32_t nb_inputs, Shapes* out) const noexcept;
+  // The op's scratch bytes for shapes s at the profile maxima of `inputs`.
+  virtual int64_t workspace_bound(const Shapes& s, const nvinfer1::DynamicPluginTensorDesc* inputs) const noexcept = 0;
   // What every enqueue starts with: shapes known from onShapeChange, both lengths read and valid.
   bool begin_enqueue(const nvinfer1::PluginTensorDesc* in, const void* const* inputs, void* const* outputs,
                      cudaStream_t stream, int64_t* seq_len, int64_t* new_len) noexcept;
