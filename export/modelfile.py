@@ -19,7 +19,7 @@ from google.protobuf.message import DecodeError
 from onnx import external_data_helper
 
 from pnmix.config import PnMixConfig
-from pnmix.errors import PnMixError
+from pnmix.errors import PnMixError, one_line
 from pnmix.format import STATE_NAMES, CacheLayout
 from pnmix.model import HEAD_DIM, KV_HEADS
 
@@ -49,11 +49,6 @@ class ModelInfo:
         return self.layout.batch
 
 
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return text[:300] if text else type(exc).__name__
-
-
 def load_checked(path: str | Path) -> Tuple[onnx.ModelProto, ModelInfo]:
     path = Path(path)
     if not path.exists():
@@ -70,7 +65,7 @@ def load_checked(path: str | Path) -> Tuple[onnx.ModelProto, ModelInfo]:
     try:
         model.ParseFromString(data)
     except (DecodeError, ValueError, RuntimeError) as exc:
-        raise PnMixError(f"{path} is not an ONNX model (protobuf parse failed: {_one_line(exc)})") from None
+        raise PnMixError(f"{path} is not an ONNX model (protobuf parse failed: {one_line(exc)})") from None
     if model.ir_version <= 0 or not model.opset_import or not model.HasField("graph"):
         raise PnMixError(f"{path} is not an ONNX model (no IR version, opset or graph: truncated or another format)")
     check_external_data(model, path.parent)
@@ -78,7 +73,7 @@ def load_checked(path: str | Path) -> Tuple[onnx.ModelProto, ModelInfo]:
         external_data_helper.load_external_data_for_model(model, str(path.parent))
         onnx.checker.check_model(model)
     except (onnx.checker.ValidationError, OSError, ValueError) as exc:
-        raise PnMixError(f"{path} fails the ONNX checker (truncated or corrupt?): {_one_line(exc)}") from None
+        raise PnMixError(f"{path} fails the ONNX checker (truncated or corrupt?): {one_line(exc)}") from None
     return model, describe(model, path)
 
 

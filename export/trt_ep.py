@@ -22,7 +22,7 @@ from typing import Any, Dict, Optional
 import onnx
 from onnx import helper
 
-from pnmix.errors import PnMixError
+from pnmix.errors import PnMixError, one_line
 
 from . import ops
 
@@ -81,7 +81,7 @@ def trt_session(model_path: Path, plugin_lib: Path, fp16: bool = False, cache_di
     try:
         return ort.InferenceSession(str(model_path), providers=providers)
     except Exception as exc:  # ONNX Runtime's own exception types
-        raise PnMixError(f"ONNX Runtime (TensorRT EP) cannot load {model_path}: {' '.join(str(exc).split())[:300]}") from None
+        raise PnMixError(f"ONNX Runtime (TensorRT EP) cannot load {model_path}: {one_line(exc)}") from None
 
 
 def main(argv=None) -> int:

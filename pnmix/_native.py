@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from .errors import PnMixError
+from .errors import PnMixError, one_line
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_DIR = PACKAGE_DIR.parent
@@ -86,7 +86,7 @@ def load_library(name: str) -> ctypes.CDLL:
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as exc:
-        raise NativeLibraryError(f"cannot load {path}: {' '.join(str(exc).split())}") from None
+        raise NativeLibraryError(f"cannot load {path}: {one_line(exc)}") from None
     _loaded[name] = lib
     return lib
 

@@ -44,7 +44,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from .config import MAX_BATCH, MAX_HEAD_DIM, MAX_KV_HEADS, MAX_SEQ_LEN, PnMixConfig, run_config
-from .errors import PnMixError
+from .errors import PnMixError, describe
 from .format import STATE_DTYPES, CacheLayout
 
 CPU_IMPLS = ("sdpa_fp32", "sdpa_bf16", "sdpa_fp32_grouped", "sdpa_bf16_grouped", "reference", "core")
@@ -135,7 +135,7 @@ def make_impl(name: str, ctx: dict):
             state = {key: t.to(device) for key, t in ctx["state"].items()}
             fn = factory(layout, state, n, ctx["q"].to(device))
         except Exception as exc:  # a missing module, library or GPU: skip with the reason
-            raise Skip(f"{type(exc).__name__}: {' '.join(str(exc).split())}") from None
+            raise Skip(describe(exc)) from None
         return fn, device, packed, packed
     raise PnMixError(f"unknown implementation '{name}'; choose from {', '.join(ALL_IMPLS)}")
 

@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .errors import PnMixError
+from .errors import PnMixError, describe
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="pnmix: the pn-mix 2-bit packed KV cache on every backend.")
@@ -47,7 +47,7 @@ def one_line_errors(fn: Callable) -> Callable:
         except KeyboardInterrupt:
             _fail("interrupted")
         except Exception as exc:  # a bug or an environment problem: still one line
-            _fail(f"{type(exc).__name__}: {' '.join(str(exc).split())}")
+            _fail(describe(exc))
 
     return wrapper
 

@@ -23,7 +23,7 @@ import torch
 
 from ._native import NativeLibraryError, load_library
 from .backends.base import CacheOps
-from .backends.core_ops import CLayout, CState, c_layout
+from .backends.core_ops import CState, c_layout
 from .cache import check_new_kv, check_queries
 from .errors import PnMixError
 from .format import STATE_DTYPES, STATE_NAMES, CacheLayout

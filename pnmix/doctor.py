@@ -20,7 +20,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from .config import PnMixConfig, RunConfig
-from .errors import PnMixError
+from .errors import describe
 
 # A small run with every part of the cache in use: 4 sink tokens, groups of 16, residual 32.
 CHECK_RUN = RunConfig(
@@ -39,11 +39,6 @@ class Component:
     check_detail: str = ""
     seconds: float = 0.0
     extra: dict = field(default_factory=dict)
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if not isinstance(exc, PnMixError) else text
 
 
 # ---------------------------------------------------------------------------------------
@@ -87,7 +82,7 @@ def _run_check(component: Component, check: Callable[[], Tuple[bool, str]]) -> N
         component.check = "pass" if passed else "FAIL"
         component.check_detail = detail
     except Exception as exc:  # a self-check that crashes is a failed self-check, reported in one line
-        component.check, component.check_detail = "FAIL", _one_line(exc)
+        component.check, component.check_detail = "FAIL", describe(exc)
     component.seconds = time.perf_counter() - began
 
 
@@ -140,7 +135,7 @@ def check_triton(has_gpu: bool) -> Component:
     try:
         triton = importlib.import_module("triton")
     except Exception as exc:
-        return Component("triton", False, f"triton is not importable ({_one_line(exc)}); pip install triton")
+        return Component("triton", False, f"triton is not importable ({describe(exc)}); pip install triton")
     if not has_gpu:
         return Component("triton", False, f"triton {triton.__version__} installed, but the kernels need a CUDA "
                                           "device (TRITON_INTERPRET=1 runs them on CPU, slowly)")
@@ -161,7 +156,7 @@ def check_onnxruntime() -> Component:
     try:
         ort = importlib.import_module("onnxruntime")
     except Exception as exc:
-        return Component("onnxruntime", False, f"onnxruntime is not importable ({_one_line(exc)})")
+        return Component("onnxruntime", False, f"onnxruntime is not importable ({describe(exc)})")
     c = Component("onnxruntime", True, f"onnxruntime {ort.__version__}, providers "
                                        f"{', '.join(ort.get_available_providers())}")
 
@@ -205,7 +200,7 @@ def check_cuda_kernels(has_gpu: bool) -> Component:
         cuda_ops = importlib.import_module("pnmix.cuda_ops")
         ok, detail = cuda_ops.library_status()
     except Exception as exc:
-        return Component("CUDA kernels (libpnmix_cuda)", False, _one_line(exc))
+        return Component("CUDA kernels (libpnmix_cuda)", False, describe(exc))
     if ok and not has_gpu:
         return Component("CUDA kernels (libpnmix_cuda)", False, f"built ({detail}), but there is no CUDA device to run them")
     c = Component("CUDA kernels (libpnmix_cuda)", ok, detail)
@@ -224,7 +219,7 @@ def check_tensorrt(has_gpu: bool) -> Component:
     try:
         trt = importlib.import_module("tensorrt")
     except Exception as exc:
-        return Component("TensorRT", False, f"tensorrt is not importable ({_one_line(exc)})")
+        return Component("TensorRT", False, f"tensorrt is not importable ({describe(exc)})")
     from ._native import find_library
 
     path, reason = find_library("pnmix_trt_plugins")

@@ -11,3 +11,17 @@ class PnMixError(Exception):
 
     def __init__(self, message: str):
         super().__init__(" ".join(str(message).split()))
+
+
+def one_line(what: object, limit: int = 300) -> str:
+    """Any message (or exception) folded onto one line and cut at `limit` characters; an
+    exception with no text reads as its type's name."""
+    text = " ".join(str(what).split())
+    if not text and isinstance(what, BaseException):
+        text = type(what).__name__
+    return text[:limit]
+
+
+def describe(exc: BaseException, limit: int = 300) -> str:
+    """'TypeName: message' on one line: for exceptions that are not already ours."""
+    return one_line(exc, limit) if isinstance(exc, PnMixError) else f"{type(exc).__name__}: {one_line(exc, limit)}"

@@ -26,7 +26,7 @@ import torch
 from .config import (
     MAX_BATCH, MAX_HEAD_DIM, MAX_KV_HEADS, MAX_SEQ_LEN, MAX_STATE_TENSOR_BYTES, PAIR_LAYOUTS, PnMixConfig,
 )
-from .errors import PnMixError
+from .errors import PnMixError, one_line
 
 # ---------------------------------------------------------------------------------------
 # Bit packing (dense, LSB-first)
@@ -237,7 +237,7 @@ class CacheLayout:
                 f"cannot allocate the cache state: {need} bytes for batch {self.batch}, kv_heads "
                 f"{self.kv_heads}, head_dim {self.head_dim}, max_seq_len {self.max_seq_len}, sink_tokens "
                 f"{self.config.sink_tokens}, residual_size {self.config.residual_size} on {device} "
-                f"({' '.join(str(exc).split())[:120]})"
+                f"({one_line(exc, 120)})"
             ) from None
 
     def used_slices(self, seq_len: int) -> Dict[str, Tuple[slice, ...]]:

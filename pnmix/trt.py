@@ -31,7 +31,7 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from .errors import PnMixError
+from .errors import PnMixError, one_line
 
 PLUGIN_LIBRARY = "libpnmix_trt_plugins.so"
 ORDER_INPUT_NOTE = "ordering input: the append runs after the attention (its data is not read)"
@@ -177,7 +177,7 @@ class _Logger:
             def log(self, severity, msg):
                 level = int(severity)  # INTERNAL_ERROR 0, ERROR 1, WARNING 2, INFO 3, VERBOSE 4
                 if level <= int(trt.ILogger.Severity.ERROR):
-                    self.last_error = " ".join(str(msg).split())
+                    self.last_error = one_line(msg)
                 if level <= int(trt.ILogger.Severity.WARNING):
                     print(f"[TensorRT] {msg}")
 
@@ -247,7 +247,7 @@ def build_engine(model: Path, plugins: Path, output: Path, fp16: bool = False, b
     if not parser.parse(prepared):
         first = parser.get_error(0) if parser.num_errors else None
         reason = first.desc() if first is not None else log.last_error or "unknown parser error"
-        raise PnMixError(f"TensorRT's ONNX parser rejects {model}: {' '.join(str(reason).split())}")
+        raise PnMixError(f"TensorRT's ONNX parser rejects {model}: {one_line(reason)}")
     config = builder.create_builder_config()
     # Refittable, so that `pnmix verify --engine` can run every seed's weights through one engine.
     config.set_flag(trt.BuilderFlag.REFIT)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..config import PnMixConfig
-from ..errors import PnMixError
+from ..errors import PnMixError, one_line
 from ..format import STATE_DTYPES, STATE_NAMES, CacheLayout
 from ..model import VOCAB
 from .base import Backend
@@ -43,7 +43,7 @@ def make_session(path, seed: Optional[int] = None, file_seed: Optional[int] = No
     try:
         session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     except Exception as exc:  # ONNX Runtime raises its own exception types
-        raise PnMixError(f"ONNX Runtime cannot load {path}: {' '.join(str(exc).split())[:300]}") from None
+        raise PnMixError(f"ONNX Runtime cannot load {path}: {one_line(exc)}") from None
     session._pnmix_keep = keep  # type: ignore[attr-defined]
     return session
 

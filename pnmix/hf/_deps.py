@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..errors import PnMixError
+from ..errors import PnMixError, describe
 
 # Tested range; pyproject's `hf` extra states the same.
 TRANSFORMERS_RANGE = (">=5.0", "<6")
@@ -29,5 +29,5 @@ def quanto_unavailable_reason() -> str | None:
     except ImportError:
         return "optimum-quanto is not installed (pip install 'pnmix[hf]')"
     except Exception as exc:  # a broken install must not take the PnMixCache figures down with it
-        return f"optimum-quanto does not import: {type(exc).__name__}: {' '.join(str(exc).split())}"
+        return f"optimum-quanto does not import: {describe(exc)}"
     return None

@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from ..config import PnMixConfig, read_json_file
-from ..errors import PnMixError
+from ..errors import PnMixError, describe
 from ..io import check_output_path, write_json_atomic
 from ._deps import quanto_unavailable_reason, require_transformers
 
@@ -182,7 +182,7 @@ def evaluate(model, ids: torch.Tensor, config: PnMixConfig) -> Dict[str, Any]:
                            lambda: QuantizedCache(backend="quanto", config=model.config, nbits=QUANTO_BITS),
                            quantized_cache_bytes)
         except Exception as exc:  # a quanto failure must not hide the PnMixCache figures
-            reason = f"QuantizedCache failed: {type(exc).__name__}: {' '.join(str(exc).split())}"
+            reason = f"QuantizedCache failed: {describe(exc)}"
     name = f"QuantizedCache (quanto, {QUANTO_BITS}-bit)"
     if reason is None:
         results.append({"cache": name, "available": True, "bytes": qc["bytes"],
