@@ -21,3 +21,19 @@ KERNEL_CONFIGS = {
     "all_high_8": dict(SMALL, high_ratio=1.0, key_high_bits=8, value_bits=8),
     "no_sink": dict(group_size=8, residual_size=8, sink_tokens=0, key_high_bits=2, key_low_bits=1),
 }
+
+
+def schedule_list_model(config, chunks):
+    """SPEC section 2 in plain lists, the oracle for the cache's schedule: each token goes to the
+    sink while it has room, else to the residual; after each append, while the residual holds
+    >= residual_size tokens its oldest group_size become a group. Returns token positions
+    (sink, groups, residual)."""
+    sink, groups, residual, position = [], [], [], 0
+    for n in chunks:
+        for _ in range(n):
+            (sink if len(sink) < config.sink_tokens else residual).append(position)
+            position += 1
+        while len(residual) >= config.residual_size:
+            groups.append(residual[: config.group_size])
+            del residual[: config.group_size]
+    return sink, groups, residual

@@ -6,20 +6,7 @@ from pnmix.cache import PackedKVCache
 from pnmix.config import PnMixConfig
 from pnmix.errors import PnMixError
 from pnmix.format import dump_state
-
-
-def simulate_schedule(config: PnMixConfig, chunks):
-    """The SPEC's words as a list model: append all of a chunk, then flush while residual >= R."""
-    sink, groups, residual = [], [], []
-    position = 0
-    for n in chunks:
-        for _ in range(n):
-            (sink if len(sink) < config.sink_tokens else residual).append(position)
-            position += 1
-        while len(residual) >= config.residual_size:
-            groups.append(residual[: config.group_size])
-            residual = residual[config.group_size:]
-    return sink, groups, residual
+from pnmix.testing import schedule_list_model
 
 
 def check_cache_against_model(config, chunks, random_kv, batch=1):
@@ -30,7 +17,7 @@ def check_cache_against_model(config, chunks, random_kv, batch=1):
     for n in chunks:
         cache.append(k[:, :, start:start + n], v[:, :, start:start + n])
         start += n
-    sink, groups, residual = simulate_schedule(config, chunks)
+    sink, groups, residual = schedule_list_model(config, chunks)
     assert tuple(cache.lengths()) == (len(sink), len(groups), len(residual))
     state = cache.state
     assert torch.equal(state["sink_k"][:, :, : len(sink)], k[:, :, sink])

@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import ctypes
 import json
-import math
 import shutil
 import struct
 import subprocess
@@ -20,9 +19,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pnmix.testing import schedule_list_model
 from pnmix import reference
 from pnmix.cache import PackedKVCache
 from pnmix.config import CONFIG_FIELDS, PnMixConfig, run_config
@@ -416,20 +416,6 @@ def test_any_metric_entry_is_compared_and_printed_or_refused(name, field, value)
 # ---------------------------------------------------------------------------------------
 
 
-def list_model(config: PnMixConfig, chunks):
-    """SPEC section 2 in lists: each token to the sink while it has room, else to the
-    residual; after each append, while the residual holds >= R tokens its oldest gs go to a group."""
-    sink, groups, residual, position = [], [], [], 0
-    for n in chunks:
-        for _ in range(n):
-            (sink if len(sink) < config.sink_tokens else residual).append(position)
-            position += 1
-        while len(residual) >= config.residual_size:
-            groups.append(residual[: config.group_size])
-            del residual[: config.group_size]
-    return sink, groups, residual
-
-
 @SLOW
 @given(filled_caches())
 def test_schedule_matches_the_list_model(filled):
@@ -437,7 +423,7 @@ def test_schedule_matches_the_list_model(filled):
     CASES["schedule: caches"] += 1
     CASES["schedule: appends"] += len(chunks)
     config, layout = cache.config, cache.layout
-    sink, groups, residual = list_model(config, chunks)
+    sink, groups, residual = schedule_list_model(config, chunks)
     assert tuple(cache.lengths()) == (len(sink), len(groups), len(residual))
     assert tuple(layout.lengths(cache.seq_len)) == tuple(cache.lengths())
     assert len(residual) < config.residual_size
@@ -473,7 +459,7 @@ def test_schedule_matches_the_list_model(filled):
 @given(small_configs(), st.integers(0, 10_000))
 def test_closed_form_lengths_match_the_list_model_token_by_token(config, n):
     CASES["schedule: closed form"] += 1
-    sink, groups, residual = list_model(config, [1] * min(n, 600))
+    sink, groups, residual = schedule_list_model(config, [1] * min(n, 600))
     layout = CacheLayout(config, 1, 1, 8, max(n, 1))
     assert tuple(layout.lengths(min(n, 600))) == (len(sink), len(groups), len(residual))
     got = layout.lengths(n)
