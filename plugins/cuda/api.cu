@@ -52,14 +52,8 @@ int check_device_pointer(const void* ptr, const char* what) {
 }
 
 int check_state(const pnmix_layout& L, const pnmix_state* state) {
-  if (!state) return fail(PNMIX_ERR_NULL, "state is null");
-  for (int i = 0; i < PNMIX_NUM_STATE; ++i) {
-    const int64_t want = state_bytes(L, i);
-    if (state->nbytes[i] != want)
-      return fail(PNMIX_ERR_SIZE, "state tensor '%s' has %lld bytes, the layout needs %lld", state_name(i),
-                  (long long)state->nbytes[i], (long long)want);
-    if (want && !state->data[i]) return fail(PNMIX_ERR_NULL, "state tensor '%s' is null", state_name(i));
-  }
+  char msg[192];
+  if (const int err = state_problem(L, state, msg, sizeof msg)) return fail(err, "%s", msg);
   return PNMIX_OK;
 }
 

@@ -58,18 +58,9 @@ int check_layout(const pnmix_layout* L) {
   return PNMIX_OK;
 }
 
-// The eleven buffers: each exactly its capacity size, non-null when non-empty, fp16 ones aligned.
 int check_state(const pnmix_layout& L, const pnmix_state* state) {
-  if (!state) return fail(PNMIX_ERR_NULL, "state pointer is null");
-  for (int i = 0; i < PNMIX_NUM_STATE; ++i) {
-    const int64_t want = state_bytes(L, i);
-    if (state->nbytes[i] != want)
-      return fail(PNMIX_ERR_SIZE, "state tensor '%s' has %lld bytes, the layout needs %lld", state_name(i),
-                  (long long)state->nbytes[i], (long long)want);
-    if (want && !state->data[i]) return fail(PNMIX_ERR_NULL, "state tensor '%s' pointer is null", state_name(i));
-    if (state_elem_bytes(i) == 2 && ((uintptr_t)state->data[i] & 1))
-      return fail(PNMIX_ERR_SIZE, "state tensor '%s' is not 2-byte aligned", state_name(i));
-  }
+  char msg[192];
+  if (const int err = state_problem(L, state, msg, sizeof msg)) return fail(err, "%s", msg);
   return PNMIX_OK;
 }
 

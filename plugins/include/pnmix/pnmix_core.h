@@ -101,6 +101,32 @@ PNMIX_API int pnmix_dump_read(const uint8_t* blob, int64_t size, const pnmix_lay
 
 #ifdef __cplusplus
 }
+
+#include <stdio.h>
+
+#include "format.h"
+
+namespace pnmix {
+
+// Why a caller's eleven buffers do not fit layout L (each exactly its capacity size, non-null
+// when non-empty, fp16 ones 2-byte aligned): a one-line message in msg and the error code, or
+// PNMIX_OK. The CPU and CUDA C ABIs both check their state with it.
+inline int state_problem(const pnmix_layout& L, const pnmix_state* state, char* msg, size_t n) {
+  if (!state) return snprintf(msg, n, "state pointer is null"), PNMIX_ERR_NULL;
+  for (int i = 0; i < PNMIX_NUM_STATE; ++i) {
+    const int64_t want = state_bytes(L, i);
+    if (state->nbytes[i] != want)
+      return snprintf(msg, n, "state tensor '%s' has %lld bytes, the layout needs %lld", state_name(i),
+                      (long long)state->nbytes[i], (long long)want),
+             PNMIX_ERR_SIZE;
+    if (want && !state->data[i]) return snprintf(msg, n, "state tensor '%s' pointer is null", state_name(i)), PNMIX_ERR_NULL;
+    if (state_elem_bytes(i) == 2 && ((uintptr_t)state->data[i] & 1))
+      return snprintf(msg, n, "state tensor '%s' is not 2-byte aligned", state_name(i)), PNMIX_ERR_SIZE;
+  }
+  return PNMIX_OK;
+}
+
+}  // namespace pnmix
 #endif
 
 #endif /* PNMIX_CORE_H */
