@@ -14,6 +14,7 @@ from . import reference
 from .backends.base import Backend
 from .config import RunConfig
 from .dataset import fingerprint, protocol_tokens
+from .format import dump_state
 from .model import DiagnosticModel
 
 BackendFactory = Callable[[int, int], Backend]  # (seed, max_seq_len) -> Backend
@@ -91,8 +92,6 @@ def run_protocol(make: BackendFactory, run: RunConfig, seed: int, device: str = 
         "peak_allocated_source": peak_source,
         "backend": backend.name,
     }
-    from .format import dump_state
-
     packed = dump_state(layout, {k: v.cpu() for k, v in state.items()}, seq_len)
     return RunResult(seed, metrics, runtime, online_out.cpu(), final.cpu(), packed)
 
