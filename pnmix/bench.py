@@ -19,7 +19,7 @@ Implementations (names in the JSON):
 * ``core``: libpnmix_core's packed decode attention (CPU threads, AVX2/AVX-512);
 * on GPU, ``triton`` and ``cuda``: the other components' kernels, loaded lazily.
 
-GPU factory contract (``pnmix.backends.triton_ops:bench_factory``, ``pnmix.cuda_ops:bench_factory``):
+GPU factory contract (``pnmix.backends.triton_ops:bench_factory``, ``pnmix.backends.cuda_ops:bench_factory``):
 ``bench_factory(layout, state, seq_len, q) -> callable``; ``state`` (format.STATE_NAMES tensors)
 and ``q`` fp16 ``[B, Hq, 1, D]`` are already on the CUDA device; the zero-argument callable runs
 one decode-attention step of q over the ``seq_len`` cached tokens and returns the fp32 output.
@@ -52,7 +52,7 @@ SDPA_DTYPES = {"sdpa_fp32": torch.float32, "sdpa_bf16": torch.bfloat16, "sdpa_fp
                "sdpa_fp32_grouped": torch.float32, "sdpa_bf16_grouped": torch.bfloat16}
 GPU_IMPLS = ("sdpa_fp16", "triton", "cuda")
 ALL_IMPLS = CPU_IMPLS + GPU_IMPLS
-GPU_FACTORIES = {"triton": "pnmix.backends.triton_ops:bench_factory", "cuda": "pnmix.cuda_ops:bench_factory"}
+GPU_FACTORIES = {"triton": "pnmix.backends.triton_ops:bench_factory", "cuda": "pnmix.backends.cuda_ops:bench_factory"}
 REFERENCE_AUTO_LIMIT = 32768  # the reference dequantizes everything per step: too slow above this
 FILL_CHUNK = 8192  # tokens per append call while filling the cache (bounds the reference's scratch)
 
@@ -67,14 +67,12 @@ class Skip(Exception):
 
 
 def fill_cache(layout: CacheLayout, k: torch.Tensor, v: torch.Tensor, threads: Optional[int]):
-    """The packed state of k/v [B, H, N, D] fp16 on CPU: the core's append when built (fast),
-    else the reference's, both chunked so whole groups are quantized per call."""
-    try:
-        from .backends.core_ops import CoreOps
+    """The packed state of k/v [B, H, N, D] fp16 on CPU through the registry's CPU default (the
+    core's append when built, fast; else the reference's), chunked so whole groups are quantized
+    per call. (threads: the append runs on one thread in either; kept for the callers.)"""
+    from .backends import default_ops
 
-        append = CoreOps(threads).append
-    except PnMixError:
-        from .cache import append_reference as append
+    append = default_ops("cpu").append
     state = layout.empty_state()
     n = k.shape[2]
     for start in range(0, n, FILL_CHUNK):

@@ -312,7 +312,7 @@ def build_engine(
     max_seq_len: Optional[int] = typer.Option(None, help="Largest prefill in the optimization profile (default: the model's capacity)."),
 ) -> None:
     """Build a TensorRT engine from the exported ONNX file with the pn-mix plugins."""
-    _call("pnmix.trt", "build_engine_command", model=model, plugins=plugins, output=output,
+    _call("pnmix.backends.tensorrt.engine", "build_engine_command", model=model, plugins=plugins, output=output,
           fp16=fp16, bf16=bf16, max_seq_len=max_seq_len)
 
 

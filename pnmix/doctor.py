@@ -107,15 +107,12 @@ def check_torch() -> Component:
 
 def cuda_device() -> Tuple[bool, str]:
     if not torch.cuda.is_available():
-        try:
-            from .trt import cuda_devices
+        from .backends.tensorrt.engine import cuda_devices
 
-            count, why = cuda_devices()
-            if count:
-                return False, f"the driver sees {count} GPU(s) but this torch build has no CUDA ({torch.__version__})"
-            return False, why or "no CUDA device"
-        except Exception:  # pnmix.trt is another component: tolerate it missing
-            return False, f"torch {torch.__version__} sees no CUDA device"
+        count, why = cuda_devices()
+        if count:
+            return False, f"the driver sees {count} GPU(s) but this torch build has no CUDA ({torch.__version__})"
+        return False, why or "no CUDA device"
     return True, f"{torch.cuda.get_device_name(0)} (torch CUDA {torch.version.cuda})"
 
 
@@ -197,7 +194,7 @@ def check_core() -> Component:
 
 def check_cuda_kernels(has_gpu: bool) -> Component:
     try:
-        cuda_ops = importlib.import_module("pnmix.cuda_ops")
+        cuda_ops = importlib.import_module("pnmix.backends.cuda_ops")
         ok, detail = cuda_ops.library_status()
     except Exception as exc:
         return Component("CUDA kernels (libpnmix_cuda)", False, describe(exc))

@@ -115,7 +115,7 @@ def test_every_command_that_reads_onnx_refuses_escaping_external_data(export_byt
 
 
 def test_build_engine_refuses_escaping_external_data_before_tensorrt(export_bytes, layout, tmp_path):
-    pytest.importorskip("pnmix.trt", reason="pnmix.trt is not built yet")
+    pytest.importorskip("pnmix.backends.tensorrt.engine", reason="pnmix.trt is not built yet")
     folder, secret = layout
     path = with_external_weights(export_bytes, folder, "../secret.bin", secret)
     plugins = tmp_path / "libpnmix_trt_plugins.so"
@@ -162,7 +162,7 @@ def test_corrupted_exports_load_or_fail_with_one_pnmix_error(export_bytes, tmp_p
 
 
 def test_plugin_paths_are_checked_before_tensorrt(tmp_path):
-    trt = pytest.importorskip("pnmix.trt", reason="pnmix.trt is not built yet")
+    trt = pytest.importorskip("pnmix.backends.tensorrt.engine", reason="pnmix.trt is not built yet")
     with pytest.raises(PnMixError, match="--plugins"):
         trt.check_plugin_path(None)
     with pytest.raises(PnMixError, match="plugin library not found"):
@@ -175,7 +175,7 @@ def test_plugin_paths_are_checked_before_tensorrt(tmp_path):
 
 
 def test_engine_sidecar_problems_are_one_line(tmp_path):
-    trt = pytest.importorskip("pnmix.trt", reason="pnmix.trt is not built yet")
+    trt = pytest.importorskip("pnmix.backends.tensorrt.engine", reason="pnmix.trt is not built yet")
     plan = tmp_path / "e.plan"
     plan.write_bytes(b"junk")
     with pytest.raises(PnMixError, match="engine description not found"):
@@ -211,7 +211,7 @@ def test_engine_sidecar_problems_are_one_line(tmp_path):
 def test_every_engine_sidecar_field_is_checked(tmp_path, change, words):
     import json
 
-    trt = pytest.importorskip("pnmix.trt", reason="pnmix.trt is not built yet")
+    trt = pytest.importorskip("pnmix.backends.tensorrt.engine", reason="pnmix.trt is not built yet")
     good = {"format": "pnmix-engine-1", "config": PnMixConfig().to_dict(), "capacity": 448, "batch": 1,
             "seed": 42, "precision": "fp32", "refittable": True,
             "profiles": {"decode": 0, "prefill": 1, "max_prefill": 384}}

@@ -1,5 +1,5 @@
 """`pnmix build-engine` and `pnmix verify --engine` on a machine without TensorRT or a GPU, and the
-ONNX rewrite TensorRT's parser gets (pnmix/trt.py), which needs neither."""
+ONNX rewrite TensorRT's parser gets (pnmix/backends/tensorrt/engine.py), which needs neither."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import onnx
 import pytest
 from typer.testing import CliRunner
 
-from pnmix import trt
+from pnmix.backends.tensorrt import engine as trt
 from pnmix.cli import app
 from pnmix.config import PnMixConfig
 from pnmix.errors import PnMixError

@@ -10,7 +10,7 @@
 // scalars on the device; the state tensors at their capacity shapes (docs/FORMAT.md section 3),
 // codes and mask INT8. The queries are the last n of the seq_len + new_len positions; new_len is
 // n (prefill / decode: attend to and append these tokens) or 0 (evaluation: attention only).
-// The optional 16th input of PnMixAppend only orders it after the attention (pnmix/trt.py adds
+// The optional 16th input of PnMixAppend only orders it after the attention (pnmix/backends/tensorrt/engine.py adds
 // it); its data is never read.
 //
 // The cache is updated in place: bind present_<name> to the same device address as <name>

@@ -31,7 +31,7 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from .errors import PnMixError, one_line
+from ...errors import PnMixError, one_line
 
 PLUGIN_LIBRARY = "libpnmix_trt_plugins.so"
 ORDER_INPUT_NOTE = "ordering input: the append runs after the attention (its data is not read)"
@@ -98,7 +98,7 @@ def check_plugin_path(plugins: Optional[Path]) -> Path:
 
 def load_plugins(trt, plugins: Path) -> None:
     """Load the library into TensorRT's plugin registry and check both creators are there."""
-    from .export import ops
+    from ...export import ops
 
     registry = trt.get_plugin_registry()
     try:
@@ -123,7 +123,7 @@ def load_plugins(trt, plugins: Path) -> None:
 def read_onnx(path: Path):
     """The exported file, checked by the exporter's loader (format, external-data locations,
     pn-mix interface): (model, pnmix.export.modelfile.ModelInfo)."""
-    from .export.modelfile import load_checked
+    from ...export.modelfile import load_checked
 
     return load_checked(Path(path))
 
@@ -132,7 +132,7 @@ def prepare_onnx(model):
     """The model TensorRT's parser gets: no pn-mix local functions, append ordered after attention."""
     import onnx
 
-    from .export import ops
+    from ...export import ops
 
     prepared = onnx.ModelProto()
     prepared.CopyFrom(model)
@@ -228,7 +228,7 @@ def _add_profiles(trt, builder, network, config, shapes, capacity: int) -> None:
 def build_engine(model: Path, plugins: Path, output: Path, fp16: bool = False, bf16: bool = False,
                  max_seq_len: Optional[int] = None) -> Dict[str, Any]:
     """Build and write the engine and its sidecar; returns the sidecar's content."""
-    from .io import check_output_path, write_described_atomic
+    from ...io import check_output_path, write_described_atomic
 
     plugins = check_plugin_path(plugins)
     check_output_path(output)  # before the build, not after it
@@ -301,9 +301,9 @@ def read_sidecar(plan: Path) -> Dict[str, Any]:
 
 
 def _check_sidecar(data: Dict[str, Any]) -> None:
-    from .config import CONFIG_FIELDS, PnMixConfig
-    from .format import CacheLayout
-    from .model import HEAD_DIM, KV_HEADS, SEED_RANGE
+    from ...config import CONFIG_FIELDS, PnMixConfig
+    from ...format import CacheLayout
+    from ...model import HEAD_DIM, KV_HEADS, SEED_RANGE
 
     known = {"format", "config", "capacity", "batch", "seed", "profiles", *SIDECAR_NOTES}
     unknown = sorted(set(data) - known)
