@@ -134,7 +134,7 @@ STATE_DTYPES: Dict[str, torch.dtype] = {
 
 @dataclass(frozen=True)
 class CacheLayout:
-    """Shapes, offsets and byte counts of a packed cache (docs/FORMAT.md section 2)."""
+    """Shapes, offsets and byte counts of a packed cache (docs/FORMAT.md sections 1-3 and 5)."""
 
     config: PnMixConfig
     batch: int
@@ -320,18 +320,36 @@ class CacheLayout:
 
 
 # ---------------------------------------------------------------------------------------
-# The .pnkv dump: a self-describing file of the persistent bytes (docs/FORMAT.md section 4)
+# The .pnkv dump: a self-describing file of the persistent bytes (docs/FORMAT.md section 6)
 # ---------------------------------------------------------------------------------------
 
 DUMP_MAGIC = b"PNKV"
 DUMP_VERSION = 1
-# magic, version, header bytes, group_size, residual_size, sink_tokens, value_group_size,
-# value_bits, key_high_bits, key_low_bits, pair_layout, batch, kv_heads, head_dim, reserved,
-# high_ratio, seq_len, reserved (64 bytes in all)
-_DUMP_HEADER = struct.Struct("<4sHHIIIIBBBBIIIIdQI")
-DUMP_HEADER_BYTES = _DUMP_HEADER.size
-# Unused sink/residual capacity a loaded state may add beyond the file's own bytes (params.h
-# PNMIX_DUMP_SLACK_BYTES; tests/test_core.py checks they agree).
+# The header's fields in file order with their struct codes (little-endian, no padding): the
+# one statement of the header (docs/FORMAT.md section 6). The C core reads the offsets from
+# generated.h (PNMIX_DUMP_AT_*), which pnmix/codegen.py writes from this table.
+DUMP_HEADER_FIELDS: Tuple[Tuple[str, str], ...] = (
+    ("magic", "4s"), ("version", "H"), ("header_bytes", "H"),
+    ("group_size", "I"), ("residual_size", "I"), ("sink_tokens", "I"), ("value_group_size", "I"),
+    ("value_bits", "B"), ("key_high_bits", "B"), ("key_low_bits", "B"), ("pair_layout", "B"),
+    ("batch", "I"), ("kv_heads", "I"), ("head_dim", "I"), ("reserved0", "I"),
+    ("high_ratio", "d"), ("seq_len", "Q"), ("reserved1", "I"),
+)
+_DUMP_HEADER = struct.Struct("<" + "".join(code for _, code in DUMP_HEADER_FIELDS))
+DUMP_HEADER_BYTES = _DUMP_HEADER.size  # 64
+
+
+def dump_header_offsets() -> Dict[str, int]:
+    """Byte offset of each header field."""
+    offsets, at = {}, 0
+    for name, code in DUMP_HEADER_FIELDS:
+        offsets[name] = at
+        at += struct.calcsize("<" + code)
+    return offsets
+
+
+# Unused sink/residual capacity a loaded state may add beyond the file's own bytes (generated.h
+# PNMIX_DUMP_SLACK_BYTES).
 DUMP_SLACK_BYTES = 1 << 30
 
 

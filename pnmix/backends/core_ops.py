@@ -24,6 +24,7 @@ ABI_VERSION = 2
 _SIGNATURES = {
     "pnmix_core_abi_version": ([], _INT),
     "pnmix_last_error": ([], ctypes.c_char_p),
+    "pnmix_core_struct_offset": ([ctypes.c_char_p, ctypes.c_char_p], _I64),
     "pnmix_state_bytes": ([_PTR, _PTR], _INT),
     "pnmix_persistent_bytes": ([_PTR, _I64, _PTR], _INT),
     "pnmix_append": ([_PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64], _INT),

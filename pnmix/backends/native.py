@@ -14,19 +14,20 @@ from typing import Dict, Mapping, Optional, Sequence, Tuple
 import torch
 
 from .._native import load_library
-from ..config import CONFIG_FIELDS, PAIR_LAYOUTS, PnMixConfig
+from ..config import CONFIG_FIELD_TYPES, CONFIG_FIELDS, PAIR_LAYOUTS, PnMixConfig
 from ..errors import PnMixError
 from ..format import STATE_DTYPES, STATE_NAMES, CacheLayout
 
 I64, PTR, INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-# The C type of each config field; every other field is an int32 (params.h, pnmix_config).
-_C_TYPES = {"high_ratio": ctypes.c_double}
+# The C type of each config field's Python type (params.h: RATIO double, INT and LAYOUT int32).
+_C_TYPES = {float: ctypes.c_double, int: ctypes.c_int32, str: ctypes.c_int32}
 
 
 class CConfig(ctypes.Structure):
-    """pnmix_config (params.h): CONFIG_FIELDS in order; pair_layout as its index in PAIR_LAYOUTS."""
+    """pnmix_config (params.h): CONFIG_FIELDS in order; pair_layout as its index in PAIR_LAYOUTS.
+    tests/test_core.py checks this mirror against the compiler's layout (pnmix_core_struct_offset)."""
 
-    _fields_ = [(name, _C_TYPES.get(name, ctypes.c_int32)) for name in CONFIG_FIELDS]
+    _fields_ = [(name, _C_TYPES[CONFIG_FIELD_TYPES[name]]) for name in CONFIG_FIELDS]
 
 
 class CLayout(ctypes.Structure):
