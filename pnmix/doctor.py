@@ -59,13 +59,12 @@ def _reference():
 def compare_with_reference(make_backend: Callable[[int, int], object], device: str, tolerance: float) -> Tuple[bool, str]:
     from .protocol import run_protocol
 
-    ours = run_protocol(make_backend, CHECK_RUN, CHECK_SEED, device)
-    ref = _reference()
-    identical = ours.packed == ref.packed
-    diff = max(float((ours.online - ref.online).abs().max()), float((ours.final - ref.final).abs().max()))
-    passed = identical and diff <= tolerance
-    return passed, (f"packed bytes {'identical' if identical else 'DIFFER'}, max |diff| {diff:.2g} "
-                    f"(tolerance {tolerance:g})")
+    from .verify import compare_runs
+
+    verdict = compare_runs(run_protocol(make_backend, CHECK_RUN, CHECK_SEED, device), _reference(), tolerance)
+    diff = max(verdict["max_abs_diff_online"], verdict["max_abs_diff_final"])
+    return verdict["passed"], (f"packed bytes {'identical' if verdict['packed_bytes_identical'] else 'DIFFER'}, "
+                               f"max |diff| {diff:.2g} (tolerance {tolerance:g})")
 
 
 def ops_factory(make_ops: Callable[[], object], device: str):
@@ -206,7 +205,7 @@ def check_cuda_kernels(has_gpu: bool) -> Component:
             from .verify import TOLERANCE
 
             return compare_with_reference(ops_factory(lambda: cuda_ops.CudaOps("cuda"), "cuda"), "cuda",
-                                          TOLERANCE.get("cuda", 1e-3))
+                                          TOLERANCE["cuda"])
 
         _run_check(c, check)
     return c
