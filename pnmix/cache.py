@@ -229,18 +229,9 @@ class PackedKVCache:
 
     def import_state(self, tensors: Dict[str, torch.Tensor], seq_len: int) -> None:
         """Load state tensors (as export_state gives them) holding seq_len tokens."""
-        shapes = self.layout.state_shapes()
-        missing = [n for n in STATE_NAMES if n not in tensors]
-        if missing:
-            raise PnMixError(f"cache state is missing tensor '{missing[0]}'")
+        self.layout.check_state(tensors)
         if not 0 <= seq_len <= self.layout.max_seq_len:
             raise PnMixError(f"seq_len {seq_len} outside 0..{self.layout.max_seq_len}")
-        for name in STATE_NAMES:
-            t = tensors[name]
-            if tuple(t.shape) != shapes[name]:
-                raise PnMixError(f"state tensor '{name}' has shape {list(t.shape)}, expected {list(shapes[name])}")
-            if t.element_size() != self.state[name].element_size():
-                raise PnMixError(f"state tensor '{name}' has dtype {t.dtype}, expected {self.state[name].dtype}")
         for name in STATE_NAMES:
             self.state[name].copy_(tensors[name].to(self.device).view(self.state[name].dtype))
         self.seq_len = seq_len

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass
-from typing import Dict, Iterator, NamedTuple, Tuple
+from typing import Any, Dict, Iterator, Mapping, NamedTuple, Tuple
 
 import torch
 
@@ -226,6 +226,21 @@ class CacheLayout:
             "pair_mask": (b, self.mask_bytes),
         }
 
+
+    def check_state(self, tensors: Mapping[str, Any]) -> None:
+        """Every state tensor present, of its capacity shape and of its dtype's element size (torch
+        tensors or numpy arrays; codes and mask may come as int8): what a consumer of a state dict
+        checks before it reads one. A one-line PnMixError names the first tensor that is not."""
+        shapes = self.state_shapes()
+        for name in STATE_NAMES:
+            t = tensors.get(name)
+            if t is None:
+                raise PnMixError(f"cache state is missing tensor '{name}'")
+            if tuple(t.shape) != shapes[name]:
+                raise PnMixError(f"state tensor '{name}' has shape {list(t.shape)}, the layout needs {list(shapes[name])}")
+            itemsize = t.element_size() if isinstance(t, torch.Tensor) else t.dtype.itemsize
+            if itemsize != STATE_DTYPES[name].itemsize:
+                raise PnMixError(f"state tensor '{name}' has dtype {t.dtype}, the layout needs {STATE_DTYPES[name]}")
     def empty_state(self, device: torch.device | str = "cpu") -> Dict[str, torch.Tensor]:
         shapes = self.state_shapes()
         try:

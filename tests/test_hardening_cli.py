@@ -218,7 +218,6 @@ CASES = [
     ("build-engine-plugins-folder", "pnmix.backends.tensorrt.engine", ["build-engine", "FOREIGN_ONNX", "--plugins", "DIR", "-o", "OUT"], ["director"]),
     ("build-engine-garbage-model", "pnmix.backends.tensorrt.engine", ["build-engine", "GARBAGE", "--plugins", "GARBAGE", "-o", "OUT"], ["ONNX"]),
     ("build-engine-foreign-model", "pnmix.backends.tensorrt.engine", ["build-engine", "FOREIGN_ONNX", "--plugins", "GARBAGE", "-o", "OUT"], ["pnmix"]),
-    ("build-engine-fp16-and-bf16", "pnmix.backends.tensorrt.engine", ["build-engine", "FOREIGN_ONNX", "--plugins", "GARBAGE", "-o", "OUT", "--fp16", "--bf16"], ["bf16"]),
     # hf-eval
     ("hf-eval-missing-model", "pnmix.hf.evaluate", ["hf-eval", "MISSING_DIR", "--text", "TEXT"], ["not found"]),
     ("hf-eval-not-a-model", "pnmix.hf.evaluate", ["hf-eval", "DIR", "--text", "TEXT"], ["config.json"]),
@@ -317,7 +316,8 @@ def test_unreadable_file_is_one_line(files, tmp_path):
 
 
 def test_usage_errors_exit_non_zero_without_traceback():
-    for argv in (["reproduce", "--seeds"], ["export"], ["bench", "decode", "--context", "many"], ["nonsense"]):
+    for argv in (["reproduce", "--seeds"], ["export"], ["bench", "decode", "--context", "many"], ["nonsense"],
+                 ["build-engine", "m.onnx", "--plugins", "p.so", "-o", "e.plan", "--bf16"]):  # no precision flags
         result = runner.invoke(app, argv)
         assert result.exit_code == 2 and "Traceback" not in result.output, argv
 

@@ -15,10 +15,11 @@ REPO = Path(__file__).resolve().parent.parent
 SOURCES = (("pnmix", "pnmix"), ("export", "pnmix.export"))
 
 # Layers by module-name prefix (the longest prefix wins); a module may import only its own
-# layer or a lower one. manifest reads the bundled data, so it sits with the core.
+# layer or a lower one. manifest reads the bundled data, so it sits with the core; codegen writes
+# the C++ header from the core and the op definitions, so it sits with export.
 LAYERS = {
     "pnmix": 0,
-    "pnmix.export": 1, "pnmix.export.bench": 3,
+    "pnmix.export": 1, "pnmix.export.bench": 3, "pnmix.codegen": 1,
     "pnmix.backends": 2,
     "pnmix.protocol": 3, "pnmix.verify": 3, "pnmix.doctor": 3, "pnmix.bench": 3, "pnmix.hf": 3,
     "pnmix.cli": 4, "pnmix.__main__": 4,
