@@ -210,10 +210,14 @@ class PnMixLayer(CacheLayerMixin):
         self._select_rows(indices)
 
     # ---- bytes ---------------------------------------------------------------------------
-    def persistent_bytes(self) -> dict:
+    # The same two as PnMixCache's: persistent_bytes an int, bytes_by_part the split.
+    def bytes_by_part(self) -> dict:
         if self.packed is None:
             return {"key_bytes": 0, "value_bytes": 0, "persistent_cache_bytes": 0}
         return self.packed.persistent_bytes()
+
+    def persistent_bytes(self) -> int:
+        return self.bytes_by_part()["persistent_cache_bytes"]
 
     def allocated_bytes(self) -> int:
         if self.packed is None:
@@ -291,13 +295,13 @@ class PnMixCache(Cache):
 
     def persistent_bytes(self) -> int:
         """Bytes the cache holds: the used part of every layer's packed state (SPEC section 2)."""
-        return sum(layer.persistent_bytes()["persistent_cache_bytes"] for layer in self.layers)
+        return sum(layer.persistent_bytes() for layer in self.layers)
 
     def bytes_by_part(self) -> dict:
         """key_bytes, value_bytes and persistent_cache_bytes summed over layers."""
         total = {"key_bytes": 0, "value_bytes": 0, "persistent_cache_bytes": 0}
         for layer in self.layers:
-            for name, value in layer.persistent_bytes().items():
+            for name, value in layer.bytes_by_part().items():
                 total[name] += value
         return total
 
