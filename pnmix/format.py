@@ -24,7 +24,7 @@ from typing import Any, Dict, Iterator, Mapping, NamedTuple, Tuple
 import torch
 
 from .config import (
-    MAX_BATCH, MAX_HEAD_DIM, MAX_KV_HEADS, MAX_SEQ_LEN, MAX_STATE_TENSOR_BYTES, PAIR_LAYOUTS, PnMixConfig,
+    CONFIG_FIELDS, MAX_BATCH, MAX_HEAD_DIM, MAX_KV_HEADS, MAX_SEQ_LEN, MAX_STATE_TENSOR_BYTES, PAIR_LAYOUTS, PnMixConfig,
 )
 from .errors import PnMixError, one_line
 
@@ -380,12 +380,11 @@ def _dump_sections(layout: CacheLayout, seq_len: int) -> Iterator[Tuple[str, Tup
 def dump_state(layout: CacheLayout, state: Dict[str, torch.Tensor], seq_len: int) -> bytes:
     """Serialize the persistent part of a cache state (little-endian)."""
     cfg = layout.config
-    header = _DUMP_HEADER.pack(
-        DUMP_MAGIC, DUMP_VERSION, DUMP_HEADER_BYTES, cfg.group_size, cfg.residual_size,
-        cfg.sink_tokens, cfg.value_group_size, cfg.value_bits, cfg.key_high_bits,
-        cfg.key_low_bits, PAIR_LAYOUTS.index(cfg.pair_layout), layout.batch, layout.kv_heads,
-        layout.head_dim, 0, float(cfg.high_ratio), seq_len, 0,
-    )
+    fields = {**cfg.to_dict(), "magic": DUMP_MAGIC, "version": DUMP_VERSION, "header_bytes": DUMP_HEADER_BYTES,
+              "pair_layout": PAIR_LAYOUTS.index(cfg.pair_layout), "high_ratio": float(cfg.high_ratio),
+              "batch": layout.batch, "kv_heads": layout.kv_heads, "head_dim": layout.head_dim, "seq_len": seq_len,
+              "reserved0": 0, "reserved1": 0}
+    header = _DUMP_HEADER.pack(*(fields[name] for name, _ in DUMP_HEADER_FIELDS))
     used = layout.used_slices(seq_len)
     parts = [header]
     for name in STATE_NAMES:
@@ -398,9 +397,11 @@ def load_state(blob: bytes) -> Tuple[CacheLayout, Dict[str, torch.Tensor], int]:
     """Parse a .pnkv dump; the layout's capacity is the dump's seq_len. Checks every size."""
     if len(blob) < DUMP_HEADER_BYTES:
         raise PnMixError(f"pnkv dump too short: {len(blob)} bytes, header needs {DUMP_HEADER_BYTES}")
-    (magic, version, header_bytes, group_size, residual_size, sink_tokens, value_group_size,
-     value_bits, key_high_bits, key_low_bits, layout_index, batch, kv_heads, head_dim, _reserved,
-     high_ratio, seq_len, _reserved2) = _DUMP_HEADER.unpack_from(blob)
+    header = dict(zip((name for name, _ in DUMP_HEADER_FIELDS), _DUMP_HEADER.unpack_from(blob)))
+    magic, version, header_bytes = header["magic"], header["version"], header["header_bytes"]
+    _reserved, _reserved2, layout_index = header["reserved0"], header["reserved1"], header["pair_layout"]
+    batch, kv_heads, head_dim, seq_len = header["batch"], header["kv_heads"], header["head_dim"], header["seq_len"]
+    sink_tokens, residual_size = header["sink_tokens"], header["residual_size"]
     if magic != DUMP_MAGIC:
         raise PnMixError(f"not a pnkv dump: magic {magic!r}, expected {DUMP_MAGIC!r}")
     if version != DUMP_VERSION or header_bytes != DUMP_HEADER_BYTES:
@@ -411,12 +412,8 @@ def load_state(blob: bytes) -> Tuple[CacheLayout, Dict[str, torch.Tensor], int]:
         raise PnMixError(f"pnkv dump has an unknown pair_layout code {layout_index}")
     if seq_len > MAX_SEQ_LEN:
         raise PnMixError(f"pnkv dump claims an implausible seq_len {seq_len}")
-    config = PnMixConfig(
-        high_ratio=high_ratio, group_size=group_size, residual_size=residual_size,
-        sink_tokens=sink_tokens, value_bits=value_bits, value_group_size=value_group_size,
-        pair_layout=PAIR_LAYOUTS[layout_index], key_high_bits=key_high_bits,
-        key_low_bits=key_low_bits,
-    )
+    config = PnMixConfig(**{name: header[name] for name in CONFIG_FIELDS if name != "pair_layout"},
+                         pair_layout=PAIR_LAYOUTS[layout_index])
     layout = CacheLayout(config, batch, kv_heads, head_dim, max(seq_len, 1))
     # The state holds full sink/residual rows; a 64-byte header must not make us allocate
     # (or overflow torch's size arithmetic on) more than the file plus a bounded slack.
