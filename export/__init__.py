@@ -6,6 +6,6 @@ This folder is the top-level `export/` of the repository; it is installed as the
 Modules: ``ops`` (the two ops: names, the attribute table, function bodies; ``pnmix_ops.json`` is
 its generated copy for the TensorRT plugins), ``exporter`` (``export_onnx``, ``build_model``,
 ``build_op_model``; `pnmix export`), ``modelfile`` (``load_checked``: reading a file with every
-check), ``bench`` (`pnmix bench onnx`), ``trt_ep`` (ONNX Runtime's TensorRT EP). docs/OPS.md
+check), and ``bench`` (`pnmix bench onnx`; ONNX Runtime's TensorRT EP is pnmix.backends.tensorrt.ort_ep). docs/OPS.md
 describes the ops and the graph.
 """

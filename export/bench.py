@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from pnmix import defaults
 from pnmix.errors import PnMixError
 
 
@@ -53,8 +54,9 @@ def _median_ms(samples: List[float]) -> float:
     return statistics.median(samples) * 1e3
 
 
-def bench(max_seq_len: int = 4096, context: Optional[int] = None, repeats: int = 20,
-          model: Optional[Path] = None, seed: int = 42) -> Dict[str, Any]:
+def bench(max_seq_len: int = defaults.EXPORT_MAX_SEQ_LEN, context: Optional[int] = None,
+          repeats: int = defaults.BENCH_REPEATS, model: Optional[Path] = None,
+          seed: int = defaults.MODEL_SEED) -> Dict[str, Any]:
     from pnmix.backends.base import OpsBackend
     from pnmix.backends.onnx_backend import OnnxBackend
     from pnmix.backends.torch_ops import TorchOps

@@ -27,6 +27,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from pnmix import defaults
 from pnmix.config import PnMixConfig
 from pnmix.errors import PnMixError
 from pnmix.format import STATE_NAMES, CacheLayout
@@ -36,7 +37,7 @@ from pnmix.model import (D_MODEL, HEAD_DIM, KV_HEADS, Q_HEADS, SEED_RANGE, Diagn
 from . import ops
 
 MIN_OPSET = 18  # ReduceMin/ReduceMax take axes as an input from opset 18
-DEFAULT_OPSET = 18
+DEFAULT_OPSET = defaults.EXPORT_OPSET
 # The file's size is the RoPE tables (cos and sin, fp32, D/2 each per position) and about 0.4 MB
 # of weights and graph; protobuf caps a file with inline data at 2 GiB.
 ROPE_BYTES_PER_TOKEN = HEAD_DIM * 4
@@ -63,7 +64,7 @@ def seed_weights(seed: int) -> Dict[str, np.ndarray]:
     }
 
 
-def check_export_args(config: PnMixConfig, max_seq_len: int, batch: int, opset: int, seed: int = 42) -> CacheLayout:
+def check_export_args(config: PnMixConfig, max_seq_len: int, batch: int, opset: int, seed: int = defaults.MODEL_SEED) -> CacheLayout:
     """Every export option's range, in one place, before anything is built."""
     newest = onnx.defs.onnx_opset_version()
     if isinstance(opset, bool) or not isinstance(opset, int) or not MIN_OPSET <= opset <= newest:
@@ -88,7 +89,8 @@ def check_export_args(config: PnMixConfig, max_seq_len: int, batch: int, opset: 
     return layout
 
 
-def build_model(config: PnMixConfig, max_seq_len: int = 4096, batch: int = 1, seed: int = 42,
+def build_model(config: PnMixConfig, max_seq_len: int = defaults.EXPORT_MAX_SEQ_LEN, batch: int = defaults.EXPORT_BATCH,
+                seed: int = defaults.MODEL_SEED,
                 opset: int = DEFAULT_OPSET) -> onnx.ModelProto:
     """The ONNX model (in memory) of the diagnostic model with a cache of max_seq_len tokens."""
     layout = check_export_args(config, max_seq_len, batch, opset, seed)
@@ -218,8 +220,9 @@ def _version() -> str:
     return __version__
 
 
-def export_onnx(path: str | Path, config: PnMixConfig, max_seq_len: int = 4096, batch: int = 1,
-                seed: int = 42, opset: int = DEFAULT_OPSET, check: bool = True) -> ExportResult:
+def export_onnx(path: str | Path, config: PnMixConfig, max_seq_len: int = defaults.EXPORT_MAX_SEQ_LEN,
+                batch: int = defaults.EXPORT_BATCH, seed: int = defaults.MODEL_SEED, opset: int = DEFAULT_OPSET,
+                check: bool = True) -> ExportResult:
     """Build, check (onnx.checker full_check, shape inference) and write the file atomically."""
     from pnmix.io import write_bytes_atomic
 

@@ -6,9 +6,11 @@ mask on the first append). Both live in domain ``pnmix``; TensorRT maps them to 
 same names, ONNX Runtime inlines the local functions shipped in the file.
 
 The attributes are the config fields of ``pnmix.config.CONFIG_FIELDS`` under their own names
-plus ``plugin_version`` and ``plugin_namespace``: ``op_attributes()`` is the one table; the
-TensorRT plugins check their field list against ``export/pnmix_ops.json``, generated from it
-(``python3 -m pnmix.export.ops --write``; a test keeps it current).
+plus ``plugin_version`` and ``plugin_namespace``: ``op_attributes()`` is the one table.
+``export/pnmix_ops.json`` is its generated copy for readers outside Python (``python3 -m
+pnmix.export.ops --write``; a test keeps it current, and tests/test_trt_fields.py checks it
+against the plugins' own field list). The plugins compile the names, version and input positions
+from plugins/include/pnmix/generated.h (pnmix/codegen.py writes it from this module).
 
 The function bodies use only standard ops (no BitShift/BitwiseAnd: bits come out with integer
 Div, Mul and Sub) and follow pnmix/quant.py's bit-exact rules, so the packed bytes equal
@@ -27,11 +29,12 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import numpy as np
 import onnx
+import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from pnmix.config import CONFIG_FIELDS, PnMixConfig
 from pnmix.errors import PnMixError
-from pnmix.format import STATE_NAMES, CacheLayout, channel_pairs
+from pnmix.format import STATE_DTYPES, STATE_NAMES, CacheLayout, channel_pairs
 from pnmix.model import pair_channels
 
 DOMAIN = "pnmix"
@@ -43,10 +46,10 @@ PLUGIN_NAMESPACE = ""
 TABLE_JSON = Path(__file__).with_name("pnmix_ops.json")
 
 # ONNX element types of the state tensors: codes and mask are INT8 (same bytes as uint8).
-STATE_ONNX_TYPES: Dict[str, int] = {
-    name: TensorProto.INT8 if name in ("key_codes", "value_codes", "pair_mask") else TensorProto.FLOAT16
-    for name in STATE_NAMES
-}
+# The ONNX (and TensorRT) type of each state tensor: format.STATE_DTYPES, with the uint8 codes and
+# mask carried as INT8 bytes.
+_ONNX_OF_DTYPE = {torch.float16: TensorProto.FLOAT16, torch.uint8: TensorProto.INT8}
+STATE_ONNX_TYPES: Dict[str, int] = {name: _ONNX_OF_DTYPE[STATE_DTYPES[name]] for name in STATE_NAMES}
 LENGTH_INPUTS = ("seq_len", "new_len")
 ATTENTION_INPUTS = ("q", "k_new", "v_new") + LENGTH_INPUTS + STATE_NAMES
 ATTENTION_OUTPUTS = ("attention",)

@@ -1,22 +1,61 @@
-"""pnmix: a deployable 2-bit packed KV cache (the pn-mix method)."""
+"""pnmix: a deployable 2-bit packed KV cache (the pn-mix method).
 
-from .config import PnMixConfig, RunConfig
-from .errors import PnMixError
-from .format import CacheLayout
-from .cache import PackedKVCache
+Importing pnmix imports nothing heavy: the names below load their module (and torch) on first
+use, so `pnmix --help` and the CLI's error paths start fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+from pathlib import Path
 
 __version__ = "0.1.0"
 
+# name -> the module that defines it (PEP 562 lazy attributes)
+_LAZY = {
+    "PnMixConfig": "pnmix.config",
+    "RunConfig": "pnmix.config",
+    "PnMixError": "pnmix.errors",
+    "CacheLayout": "pnmix.format",
+    "PackedKVCache": "pnmix.cache",
+}
+__all__ = [*_LAZY, "__version__"]
 
-def _source_checkout_export() -> None:
-    """In a source checkout (PYTHONPATH=repo), serve the top-level export/ as pnmix.export,
-    as the installed wheel does (pyproject maps export/ to pnmix/export)."""
-    from pathlib import Path
 
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'pnmix' has no attribute {name!r}")
+
+
+class _SourceExportFinder(importlib.abc.MetaPathFinder):
+    """In a source checkout (PYTHONPATH=repo), serve the repository's top-level export/ as
+    pnmix.export, as the installed wheel does (pyproject maps export/ to pnmix/export). Only that
+    one folder: no other top-level folder becomes part of the package."""
+
+    NAME = "pnmix.export"
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.NAME:
+            return None
+        return importlib.util.spec_from_file_location(
+            fullname, self.folder / "__init__.py", submodule_search_locations=[str(self.folder)])
+
+
+def _serve_source_export() -> None:
     here = Path(__file__).resolve().parent
-    if not (here / "export").exists() and (here.parent / "export" / "__init__.py").exists():
-        __path__.append(str(here.parent))  # noqa: F821 - the package's own __path__
+    source = here.parent / "export"
+    if not (here / "export").exists() and (source / "__init__.py").exists():
+        if not any(isinstance(f, _SourceExportFinder) for f in sys.meta_path):
+            sys.meta_path.insert(0, _SourceExportFinder(source))
 
 
-_source_checkout_export()
-__all__ = ["PnMixConfig", "RunConfig", "PnMixError", "CacheLayout", "PackedKVCache", "__version__"]
+_serve_source_export()

@@ -1,3 +1,4 @@
 from .cli import main_entry
 
-main_entry()
+if __name__ == "__main__":
+    main_entry()

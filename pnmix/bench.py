@@ -19,7 +19,7 @@ Implementations (names in the JSON):
 * ``core``: libpnmix_core's packed decode attention (CPU threads, AVX2/AVX-512);
 * on GPU, ``triton`` and ``cuda``: the other components' kernels, loaded lazily.
 
-GPU factory contract (``pnmix.backends.triton_ops:bench_factory``, ``pnmix.cuda_ops:bench_factory``):
+GPU factory contract (``pnmix.backends.triton_ops:bench_factory``, ``pnmix.backends.cuda_ops:bench_factory``):
 ``bench_factory(layout, state, seq_len, q) -> callable``; ``state`` (format.STATE_NAMES tensors)
 and ``q`` fp16 ``[B, Hq, 1, D]`` are already on the CUDA device; the zero-argument callable runs
 one decode-attention step of q over the ``seq_len`` cached tokens and returns the fp32 output.
@@ -43,16 +43,18 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from . import defaults
 from .config import MAX_BATCH, MAX_HEAD_DIM, MAX_KV_HEADS, MAX_SEQ_LEN, PnMixConfig, run_config
 from .errors import PnMixError, describe
 from .format import STATE_DTYPES, CacheLayout
+from .machine import cpu_model, resolve_device
 
 CPU_IMPLS = ("sdpa_fp32", "sdpa_bf16", "sdpa_fp32_grouped", "sdpa_bf16_grouped", "reference", "core")
 SDPA_DTYPES = {"sdpa_fp32": torch.float32, "sdpa_bf16": torch.bfloat16, "sdpa_fp16": torch.float16,
                "sdpa_fp32_grouped": torch.float32, "sdpa_bf16_grouped": torch.bfloat16}
 GPU_IMPLS = ("sdpa_fp16", "triton", "cuda")
 ALL_IMPLS = CPU_IMPLS + GPU_IMPLS
-GPU_FACTORIES = {"triton": "pnmix.backends.triton_ops:bench_factory", "cuda": "pnmix.cuda_ops:bench_factory"}
+GPU_FACTORIES = {"triton": "pnmix.backends.triton_ops:bench_factory", "cuda": "pnmix.backends.cuda_ops:bench_factory"}
 REFERENCE_AUTO_LIMIT = 32768  # the reference dequantizes everything per step: too slow above this
 FILL_CHUNK = 8192  # tokens per append call while filling the cache (bounds the reference's scratch)
 
@@ -67,14 +69,12 @@ class Skip(Exception):
 
 
 def fill_cache(layout: CacheLayout, k: torch.Tensor, v: torch.Tensor, threads: Optional[int]):
-    """The packed state of k/v [B, H, N, D] fp16 on CPU: the core's append when built (fast),
-    else the reference's, both chunked so whole groups are quantized per call."""
-    try:
-        from .backends.core_ops import CoreOps
+    """The packed state of k/v [B, H, N, D] fp16 on CPU through the registry's CPU default (the
+    core's append when built, fast; else the reference's), chunked so whole groups are quantized
+    per call. (threads: the append runs on one thread in either; kept for the callers.)"""
+    from .backends import default_ops
 
-        append = CoreOps(threads).append
-    except PnMixError:
-        from .cache import append_reference as append
+    append = default_ops("cpu").append
     state = layout.empty_state()
     n = k.shape[2]
     for start in range(0, n, FILL_CHUNK):
@@ -261,7 +261,7 @@ def _choose_impls(impls: Optional[str], device: str, context: int) -> tuple[List
 def machine_info(device: str, threads: int) -> dict:
     info = {
         "platform": platform.platform(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "threads": threads,
         "torch": torch.__version__,
@@ -273,19 +273,10 @@ def machine_info(device: str, threads: int) -> dict:
     return info
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
-def run_decode_bench(context: int, batch: int = 1, q_heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
+def run_decode_bench(context: int, batch: int = defaults.DECODE_BATCH, q_heads: int = defaults.DECODE_Q_HEADS,
+                     kv_heads: int = defaults.DECODE_KV_HEADS, head_dim: int = defaults.DECODE_HEAD_DIM,
                      threads: Optional[int] = None, device: str = "cpu", impls: Optional[str] = None,
-                     repeats: int = 20, config: Optional[PnMixConfig] = None, seed: int = 0) -> dict:
+                     repeats: int = defaults.BENCH_REPEATS, config: Optional[PnMixConfig] = None, seed: int = 0) -> dict:
     """The benchmark as data: {"results": [...], "skipped": [...], "machine": {...}, ...}."""
     config = config or PnMixConfig()
     layout = _check_args(context, batch, q_heads, kv_heads, head_dim, threads, repeats, config)
@@ -363,13 +354,7 @@ def _add_agreement(results: List[dict], outputs: Dict[str, torch.Tensor], ctx: d
 
 
 def _resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise PnMixError(f"--device must be auto, cpu or cuda, got {device!r}")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise PnMixError("--device cuda asked for, but torch sees no CUDA device")
-    return device
+    return resolve_device(device, allow_auto=True)
 
 
 def print_report(report: dict) -> None:

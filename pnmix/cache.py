@@ -9,11 +9,16 @@ pair mask from its keys; tokens fill the sink, then the residual; whenever the r
 ``residual_size`` tokens its oldest ``group_size`` tokens become a quantized group. Appending n
 tokens and then flushing equals flushing each time the residual fills, so the residual never
 needs more than ``residual_size`` rows.
+
+The cache runs its two mechanisms through a ``CacheOps`` it is given (the C++ core, Triton,
+CUDA: pnmix.backends); without one it runs the reference's. Which ops suit a device is
+pnmix.backends.default_ops's business, so this module never imports a backend.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+from abc import ABC, abstractmethod
+from typing import Dict, Optional
 
 import torch
 
@@ -100,18 +105,30 @@ def check_queries(layout: CacheLayout, seq_len: int, q: torch.Tensor, k_new, v_n
         )
 
 
-AppendFn = Callable[[CacheLayout, State, int, torch.Tensor, torch.Tensor], None]
+class CacheOps(ABC):
+    """The two pn-mix mechanisms over a state dict, as one backend implements them."""
+
+    name: str = "?"
+
+    @abstractmethod
+    def append(self, layout: CacheLayout, state: State, seq_len: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append fp16 K/V [B, H, n, D] in place (mask on the first append, flush when full)."""
+
+    @abstractmethod
+    def attend(self, q, layout: CacheLayout, state: State, seq_len: int, k_new, v_new) -> torch.Tensor:
+        """fp32 [B, Hq, nq, D]: q over the cache then k_new/v_new (queries are the last nq)."""
 
 
-def default_ops(device: torch.device):
-    """(append, attend): the Triton kernels on CUDA devices when triton is installed, else the
-    reference (always on CPU: the reference is the default there)."""
-    if device.type == "cuda":
-        from .backends.triton_ops import append_triton, attend_triton, triton_available
+class ReferenceOps(CacheOps):
+    """The PyTorch reference's ops (the ``torch`` backend): what every other backend is compared with."""
 
-        if triton_available():
-            return append_triton, attend_triton
-    return append_reference, reference.attend
+    name = "torch"
+
+    def append(self, layout, state, seq_len, k, v):
+        append_reference(layout, state, seq_len, k, v)
+
+    def attend(self, q, layout, state, seq_len, k_new, v_new):
+        return reference.attend(q, layout, state, seq_len, k_new, v_new)
 
 
 class PackedKVCache:
@@ -125,15 +142,14 @@ class PackedKVCache:
         max_seq_len: int,
         batch: int = 1,
         device: torch.device | str = "cpu",
-        append_fn: Optional[AppendFn] = None,
+        ops: Optional[CacheOps] = None,
     ):
         self.layout = CacheLayout(config, batch, kv_heads, head_dim, max_seq_len)
         self.device = torch.device(device)
         self.state: State = self.layout.empty_state(self.device)
         self.seq_len = 0
         self.saliency_computations = 0
-        default_append, self._attend_fn = default_ops(self.device)
-        self._append_fn = append_fn or default_append
+        self.ops: CacheOps = ops if ops is not None else ReferenceOps()
 
     @property
     def config(self) -> PnMixConfig:
@@ -163,7 +179,7 @@ class PackedKVCache:
                 )
         if self.seq_len == 0:
             self.saliency_computations += 1
-        self._append_fn(self.layout, self.state, self.seq_len, k, v)
+        self.ops.append(self.layout, self.state, self.seq_len, k, v)
         self.seq_len += n
 
     def attend(self, q: torch.Tensor, k_new=None, v_new=None, return_probs: bool = False):
@@ -171,7 +187,7 @@ class PackedKVCache:
         check_queries(self.layout, self.seq_len, q, k_new, v_new)
         if return_probs:  # probabilities are the reference's business (metrics)
             return reference.attend(q, self.layout, self.state, self.seq_len, k_new, v_new, True)
-        return self._attend_fn(q, self.layout, self.state, self.seq_len, k_new, v_new)
+        return self.ops.attend(q, self.layout, self.state, self.seq_len, k_new, v_new)
 
     # ---- inspection -------------------------------------------------------------------------
     def lengths(self):
@@ -188,6 +204,20 @@ class PackedKVCache:
 
         return unpack_pair_mask(self.state["pair_mask"], self.layout.kv_heads, self.layout.pairs)
 
+    def resized(self, capacity: int, rows: Optional[torch.Tensor] = None) -> "PackedKVCache":
+        """A copy of this cache with room for `capacity` tokens, holding the sequences `rows`
+        (indices into the batch; None: all), with the same ops, tokens and saliency count."""
+        batch = self.layout.batch if rows is None else int(rows.numel())
+        new = PackedKVCache(self.config, self.layout.kv_heads, self.layout.head_dim, capacity, batch=batch,
+                            device=self.device, ops=self.ops)
+        for name in STATE_NAMES:
+            source = self.state[name] if rows is None else self.state[name].index_select(0, rows)
+            # Only the group dimension differs between capacities: copy the common corner.
+            new.state[name][tuple(slice(0, s) for s in source.shape)] = source
+        new.seq_len = self.seq_len
+        new.saliency_computations = self.saliency_computations
+        return new
+
     # ---- state as plain tensors -------------------------------------------------------------
     def export_state(self) -> Dict[str, torch.Tensor]:
         """The state tensors as the ONNX graph and plugins take them (codes and mask as int8)."""
@@ -199,18 +229,9 @@ class PackedKVCache:
 
     def import_state(self, tensors: Dict[str, torch.Tensor], seq_len: int) -> None:
         """Load state tensors (as export_state gives them) holding seq_len tokens."""
-        shapes = self.layout.state_shapes()
-        missing = [n for n in STATE_NAMES if n not in tensors]
-        if missing:
-            raise PnMixError(f"cache state is missing tensor '{missing[0]}'")
+        self.layout.check_state(tensors)
         if not 0 <= seq_len <= self.layout.max_seq_len:
             raise PnMixError(f"seq_len {seq_len} outside 0..{self.layout.max_seq_len}")
-        for name in STATE_NAMES:
-            t = tensors[name]
-            if tuple(t.shape) != shapes[name]:
-                raise PnMixError(f"state tensor '{name}' has shape {list(t.shape)}, expected {list(shapes[name])}")
-            if t.element_size() != self.state[name].element_size():
-                raise PnMixError(f"state tensor '{name}' has dtype {t.dtype}, expected {self.state[name].dtype}")
         for name in STATE_NAMES:
             self.state[name].copy_(tensors[name].to(self.device).view(self.state[name].dtype))
         self.seq_len = seq_len

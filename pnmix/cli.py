@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from . import defaults
 from .errors import PnMixError, describe
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -77,13 +78,9 @@ def parse_seeds(text: Optional[str], default: List[int]) -> List[int]:
 
 
 def check_device(device: str) -> str:
-    import torch
+    from .machine import resolve_device
 
-    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise PnMixError(f"--device must be cpu or cuda, got {device!r}")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise PnMixError("--device cuda asked for, but torch sees no CUDA device")
-    return device
+    return resolve_device(device)
 
 
 def _fmt(entry: Optional[dict]) -> str:
@@ -249,10 +246,10 @@ def export(
     output: Path = typer.Option(..., "-o", "--output", help="The ONNX file to write."),
     config: Optional[Path] = typer.Option(None, help="JSON of config fields laid over the manifest's."),
     manifest: Optional[Path] = typer.Option(None, help="Manifest JSON (default: the bundled one)."),
-    max_seq_len: int = typer.Option(4096, help="Cache capacity in tokens."),
-    batch: int = typer.Option(1, help="Batch size of the cache state."),
-    opset: int = typer.Option(18, help="ONNX default-domain opset."),
-    seed: int = typer.Option(42, help="Seed of the diagnostic model's weights."),
+    max_seq_len: int = typer.Option(defaults.EXPORT_MAX_SEQ_LEN, help="Cache capacity in tokens."),
+    batch: int = typer.Option(defaults.EXPORT_BATCH, help="Batch size of the cache state."),
+    opset: int = typer.Option(defaults.EXPORT_OPSET, help="ONNX default-domain opset."),
+    seed: int = typer.Option(defaults.MODEL_SEED, help="Seed of the diagnostic model's weights."),
 ) -> None:
     """Export the diagnostic model with pn-mix custom ops to ONE ONNX file."""
     _call("pnmix.export.exporter", "export_command", output=output, config=config, manifest=manifest,
@@ -262,15 +259,15 @@ def export(
 @bench_app.command("decode")
 @one_line_errors
 def bench_decode(
-    context: int = typer.Option(32768, help="Tokens in the cache."),
-    batch: int = typer.Option(1, help="Batch size."),
-    q_heads: int = typer.Option(32, help="Query heads."),
-    kv_heads: int = typer.Option(8, help="KV heads."),
-    head_dim: int = typer.Option(128, help="Head dimension."),
+    context: int = typer.Option(defaults.DECODE_CONTEXT, help="Tokens in the cache."),
+    batch: int = typer.Option(defaults.DECODE_BATCH, help="Batch size."),
+    q_heads: int = typer.Option(defaults.DECODE_Q_HEADS, help="Query heads."),
+    kv_heads: int = typer.Option(defaults.DECODE_KV_HEADS, help="KV heads."),
+    head_dim: int = typer.Option(defaults.DECODE_HEAD_DIM, help="Head dimension."),
     threads: Optional[int] = typer.Option(None, help="CPU threads (default: all cores)."),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
     impls: Optional[str] = typer.Option(None, help="Comma-separated implementations (default: all available)."),
-    repeats: int = typer.Option(20, help="Timed repetitions per implementation."),
+    repeats: int = typer.Option(defaults.BENCH_REPEATS, help="Timed repetitions per implementation."),
     config: Optional[Path] = typer.Option(None, help="JSON of config fields laid over the manifest's."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
 ) -> None:
@@ -283,9 +280,9 @@ def bench_decode(
 @bench_app.command("onnx")
 @one_line_errors
 def bench_onnx(
-    max_seq_len: int = typer.Option(4096, help="Cache capacity of the exported model."),
+    max_seq_len: int = typer.Option(defaults.EXPORT_MAX_SEQ_LEN, help="Cache capacity of the exported model."),
     context: Optional[int] = typer.Option(None, help="Tokens in the cache when timing (default: max_seq_len - 1)."),
-    repeats: int = typer.Option(20, help="Timed decode steps."),
+    repeats: int = typer.Option(defaults.BENCH_REPEATS, help="Timed decode steps."),
     model: Optional[Path] = typer.Option(None, help="An exported ONNX file (default: export one to a temporary folder)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
 ) -> None:
@@ -307,13 +304,12 @@ def build_engine(
     model: Path = typer.Argument(..., help="The exported ONNX file."),
     plugins: Path = typer.Option(..., help="libpnmix_trt_plugins.so"),
     output: Path = typer.Option(..., "-o", "--output", help="The engine (plan) to write."),
-    fp16: bool = typer.Option(False, "--fp16", help="Allow fp16 kernels."),
-    bf16: bool = typer.Option(False, "--bf16", help="Allow bf16 kernels."),
     max_seq_len: Optional[int] = typer.Option(None, help="Largest prefill in the optimization profile (default: the model's capacity)."),
 ) -> None:
-    """Build a TensorRT engine from the exported ONNX file with the pn-mix plugins."""
-    _call("pnmix.trt", "build_engine_command", model=model, plugins=plugins, output=output,
-          fp16=fp16, bf16=bf16, max_seq_len=max_seq_len)
+    """Build a TensorRT engine from the exported ONNX file with the pn-mix plugins (strongly typed:
+    the file's fp16 K/V and cache, INT8 codes, fp32 attention)."""
+    _call("pnmix.backends.tensorrt.engine", "build_engine_command", model=model, plugins=plugins, output=output,
+          max_seq_len=max_seq_len)
 
 
 @app.command("hf-eval")

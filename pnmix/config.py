@@ -1,8 +1,9 @@
 """PnMixConfig: the method's fields (SPEC section 1), their validation, and where they come from.
 
-This module is the one place that names the config fields. The ONNX op attributes, the C ABI
-params struct and the TensorRT plugin fields are all generated from or checked against
-``CONFIG_FIELDS``.
+This module is the one place that names the config fields and states their limits. The ONNX
+op attributes are built from ``CONFIG_FIELDS``; the C++ side (params.h's struct, the plugin
+fields, format.h's checks) reads plugins/include/pnmix/generated.h, which pnmix/codegen.py
+writes from this module (a test keeps it current).
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ from typing import Any, Mapping
 from .errors import PnMixError
 
 PAIR_LAYOUTS = ("adjacent", "half")
-# The limits every reader applies (docs/FORMAT.md 1.1), the same numbers as
-# plugins/include/pnmix/params.h (tests/test_core.py checks them against pnmix_core_limit), so a
-# config or layout valid here is valid in the C core, the CUDA library and the plugins.
+# The limits every reader applies (docs/FORMAT.md 1.1). pnmix/codegen.py writes them into the
+# C++ headers, so a config or layout valid here is valid in the C core, the CUDA library and the
+# plugins.
 MAX_TOKENS_FIELD = 1 << 20  # sink_tokens, residual_size, group_size
 MAX_INT_FIELD = 2**31 - 1  # every other integer field: the C ABI and the plugin fields hold int32
 MAX_BATCH = 1 << 20
@@ -27,6 +28,21 @@ MAX_KV_HEADS = 4096
 MAX_HEAD_DIM = 4096
 MAX_SEQ_LEN = 1 << 40  # a cache's capacity and a dump's seq_len
 MAX_STATE_TENSOR_BYTES = 1 << 50  # any one state tensor at capacity
+
+
+# The range of each integer field (SPEC section 1). The rules between fields (group_size a
+# multiple of 8, residual_size >= group_size) are _validate_fields's; those that need head_dim
+# are check_head_dim's. high_ratio is in [0, 1]; pair_layout one of PAIR_LAYOUTS.
+INT_FIELD_RANGES = {
+    "group_size": (8, MAX_TOKENS_FIELD),
+    "residual_size": (1, MAX_TOKENS_FIELD),
+    "sink_tokens": (0, MAX_TOKENS_FIELD),
+    "value_bits": (1, 8),
+    "value_group_size": (1, MAX_INT_FIELD),
+    "key_high_bits": (1, 8),
+    "key_low_bits": (1, 8),
+}
+TOKEN_FIELDS = ("group_size", "residual_size", "sink_tokens")  # counted in tokens, <= MAX_TOKENS_FIELD
 
 
 @dataclass(frozen=True)
@@ -64,22 +80,22 @@ class PnMixConfig:
             raise PnMixError(f"config field 'high_ratio' must be a number in [0, 1], got {ratio!r}")
         if not 0.0 <= ratio <= 1.0:
             raise PnMixError(f"config field 'high_ratio' must be in [0, 1], got {ratio}")
-        group = need_int("group_size", 8)
+        lowest = {name: lo for name, (lo, _) in INT_FIELD_RANGES.items()}
+        group = need_int("group_size", lowest["group_size"])
         if group % 8:
             raise PnMixError(f"config field 'group_size' must be a positive multiple of 8, got {group}")
-        residual = need_int("residual_size", 1)
+        residual = need_int("residual_size", lowest["residual_size"])
         if residual < group:
             raise PnMixError(
                 f"config field 'residual_size' must be >= group_size ({group}), got {residual}"
             )
-        need_int("sink_tokens", 0)
-        for name in ("group_size", "residual_size", "sink_tokens"):
+        need_int("sink_tokens", lowest["sink_tokens"])
+        for name in TOKEN_FIELDS:
             if getattr(self, name) > MAX_TOKENS_FIELD:
                 raise PnMixError(f"config field '{name}' must be <= {MAX_TOKENS_FIELD}, got {getattr(self, name)}")
-        need_int("value_bits", 1, 8)
-        need_int("value_group_size", 1)
-        need_int("key_high_bits", 1, 8)
-        need_int("key_low_bits", 1, 8)
+        for name in ("value_bits", "value_group_size", "key_high_bits", "key_low_bits"):
+            lo, hi = INT_FIELD_RANGES[name]
+            need_int(name, lo, None if hi == MAX_INT_FIELD else hi)  # MAX_INT_FIELD: need_int's int32 rule
         if self.pair_layout not in PAIR_LAYOUTS:
             raise PnMixError(
                 f"config field 'pair_layout' must be one of {', '.join(PAIR_LAYOUTS)}, "
@@ -141,6 +157,10 @@ class PnMixConfig:
 
 
 CONFIG_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(PnMixConfig))
+# The Python type of each field (float: high_ratio, str: pair_layout, int: the rest): what the C
+# struct, the ONNX attributes and the plugin fields store it as.
+CONFIG_FIELD_TYPES: dict[str, type] = {f.name: type(f.default) for f in dataclasses.fields(PnMixConfig)}
+assert set(INT_FIELD_RANGES) == {n for n, t in CONFIG_FIELD_TYPES.items() if t is int}
 
 # Fields a --config file may set besides the method's: the protocol's lengths.
 PROTOCOL_FIELDS = ("prefill_tokens", "decode_tokens")
@@ -167,6 +187,9 @@ class RunConfig:
         return self.prefill_tokens + self.decode_tokens
 
 
+_DEFAULT_LENGTHS = RunConfig(PnMixConfig())  # the protocol's lengths when the manifest omits them
+
+
 def read_json_file(path: str | Path, what: str) -> Any:
     """Read a JSON file with one-line errors for every way that can fail."""
     path = Path(path)
@@ -188,8 +211,7 @@ def run_config(manifest: Mapping[str, Any], override_path: str | Path | None = N
     """The manifest's protocol, with the fields of a --config JSON file laid over it."""
     base = PnMixConfig.from_manifest(manifest)
     protocol = manifest.get("protocol", {})
-    lengths = {name: protocol.get(name, default) for name, default in
-               (("prefill_tokens", 384), ("decode_tokens", 64))}
+    lengths = {name: protocol.get(name, getattr(_DEFAULT_LENGTHS, name)) for name in PROTOCOL_FIELDS}
     if override_path is not None:
         fields = read_json_file(override_path, "config")
         if not isinstance(fields, dict):

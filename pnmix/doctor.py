@@ -59,13 +59,12 @@ def _reference():
 def compare_with_reference(make_backend: Callable[[int, int], object], device: str, tolerance: float) -> Tuple[bool, str]:
     from .protocol import run_protocol
 
-    ours = run_protocol(make_backend, CHECK_RUN, CHECK_SEED, device)
-    ref = _reference()
-    identical = ours.packed == ref.packed
-    diff = max(float((ours.online - ref.online).abs().max()), float((ours.final - ref.final).abs().max()))
-    passed = identical and diff <= tolerance
-    return passed, (f"packed bytes {'identical' if identical else 'DIFFER'}, max |diff| {diff:.2g} "
-                    f"(tolerance {tolerance:g})")
+    from .verify import compare_runs
+
+    verdict = compare_runs(run_protocol(make_backend, CHECK_RUN, CHECK_SEED, device), _reference(), tolerance)
+    diff = max(verdict["max_abs_diff_online"], verdict["max_abs_diff_final"])
+    return verdict["passed"], (f"packed bytes {'identical' if verdict['packed_bytes_identical'] else 'DIFFER'}, "
+                               f"max |diff| {diff:.2g} (tolerance {tolerance:g})")
 
 
 def ops_factory(make_ops: Callable[[], object], device: str):
@@ -107,15 +106,12 @@ def check_torch() -> Component:
 
 def cuda_device() -> Tuple[bool, str]:
     if not torch.cuda.is_available():
-        try:
-            from .trt import cuda_devices
+        from .backends.tensorrt.engine import cuda_devices
 
-            count, why = cuda_devices()
-            if count:
-                return False, f"the driver sees {count} GPU(s) but this torch build has no CUDA ({torch.__version__})"
-            return False, why or "no CUDA device"
-        except Exception:  # pnmix.trt is another component: tolerate it missing
-            return False, f"torch {torch.__version__} sees no CUDA device"
+        count, why = cuda_devices()
+        if count:
+            return False, f"the driver sees {count} GPU(s) but this torch build has no CUDA ({torch.__version__})"
+        return False, why or "no CUDA device"
     return True, f"{torch.cuda.get_device_name(0)} (torch CUDA {torch.version.cuda})"
 
 
@@ -197,7 +193,7 @@ def check_core() -> Component:
 
 def check_cuda_kernels(has_gpu: bool) -> Component:
     try:
-        cuda_ops = importlib.import_module("pnmix.cuda_ops")
+        cuda_ops = importlib.import_module("pnmix.backends.cuda_ops")
         ok, detail = cuda_ops.library_status()
     except Exception as exc:
         return Component("CUDA kernels (libpnmix_cuda)", False, describe(exc))
@@ -209,7 +205,7 @@ def check_cuda_kernels(has_gpu: bool) -> Component:
             from .verify import TOLERANCE
 
             return compare_with_reference(ops_factory(lambda: cuda_ops.CudaOps("cuda"), "cuda"), "cuda",
-                                          TOLERANCE.get("cuda", 1e-3))
+                                          TOLERANCE["cuda"])
 
         _run_check(c, check)
     return c

@@ -19,12 +19,12 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass
-from typing import Dict, Iterator, NamedTuple, Tuple
+from typing import Any, Dict, Iterator, Mapping, NamedTuple, Tuple
 
 import torch
 
 from .config import (
-    MAX_BATCH, MAX_HEAD_DIM, MAX_KV_HEADS, MAX_SEQ_LEN, MAX_STATE_TENSOR_BYTES, PAIR_LAYOUTS, PnMixConfig,
+    CONFIG_FIELDS, MAX_BATCH, MAX_HEAD_DIM, MAX_KV_HEADS, MAX_SEQ_LEN, MAX_STATE_TENSOR_BYTES, PAIR_LAYOUTS, PnMixConfig,
 )
 from .errors import PnMixError, one_line
 
@@ -134,7 +134,7 @@ STATE_DTYPES: Dict[str, torch.dtype] = {
 
 @dataclass(frozen=True)
 class CacheLayout:
-    """Shapes, offsets and byte counts of a packed cache (docs/FORMAT.md section 2)."""
+    """Shapes, offsets and byte counts of a packed cache (docs/FORMAT.md sections 1-3 and 5)."""
 
     config: PnMixConfig
     batch: int
@@ -226,6 +226,21 @@ class CacheLayout:
             "pair_mask": (b, self.mask_bytes),
         }
 
+
+    def check_state(self, tensors: Mapping[str, Any]) -> None:
+        """Every state tensor present, of its capacity shape and of its dtype's element size (torch
+        tensors or numpy arrays; codes and mask may come as int8): what a consumer of a state dict
+        checks before it reads one. A one-line PnMixError names the first tensor that is not."""
+        shapes = self.state_shapes()
+        for name in STATE_NAMES:
+            t = tensors.get(name)
+            if t is None:
+                raise PnMixError(f"cache state is missing tensor '{name}'")
+            if tuple(t.shape) != shapes[name]:
+                raise PnMixError(f"state tensor '{name}' has shape {list(t.shape)}, the layout needs {list(shapes[name])}")
+            itemsize = t.element_size() if isinstance(t, torch.Tensor) else t.dtype.itemsize
+            if itemsize != STATE_DTYPES[name].itemsize:
+                raise PnMixError(f"state tensor '{name}' has dtype {t.dtype}, the layout needs {STATE_DTYPES[name]}")
     def empty_state(self, device: torch.device | str = "cpu") -> Dict[str, torch.Tensor]:
         shapes = self.state_shapes()
         try:
@@ -320,18 +335,36 @@ class CacheLayout:
 
 
 # ---------------------------------------------------------------------------------------
-# The .pnkv dump: a self-describing file of the persistent bytes (docs/FORMAT.md section 4)
+# The .pnkv dump: a self-describing file of the persistent bytes (docs/FORMAT.md section 6)
 # ---------------------------------------------------------------------------------------
 
 DUMP_MAGIC = b"PNKV"
 DUMP_VERSION = 1
-# magic, version, header bytes, group_size, residual_size, sink_tokens, value_group_size,
-# value_bits, key_high_bits, key_low_bits, pair_layout, batch, kv_heads, head_dim, reserved,
-# high_ratio, seq_len, reserved (64 bytes in all)
-_DUMP_HEADER = struct.Struct("<4sHHIIIIBBBBIIIIdQI")
-DUMP_HEADER_BYTES = _DUMP_HEADER.size
-# Unused sink/residual capacity a loaded state may add beyond the file's own bytes (params.h
-# PNMIX_DUMP_SLACK_BYTES; tests/test_core.py checks they agree).
+# The header's fields in file order with their struct codes (little-endian, no padding): the
+# one statement of the header (docs/FORMAT.md section 6). The C core reads the offsets from
+# generated.h (PNMIX_DUMP_AT_*), which pnmix/codegen.py writes from this table.
+DUMP_HEADER_FIELDS: Tuple[Tuple[str, str], ...] = (
+    ("magic", "4s"), ("version", "H"), ("header_bytes", "H"),
+    ("group_size", "I"), ("residual_size", "I"), ("sink_tokens", "I"), ("value_group_size", "I"),
+    ("value_bits", "B"), ("key_high_bits", "B"), ("key_low_bits", "B"), ("pair_layout", "B"),
+    ("batch", "I"), ("kv_heads", "I"), ("head_dim", "I"), ("reserved0", "I"),
+    ("high_ratio", "d"), ("seq_len", "Q"), ("reserved1", "I"),
+)
+_DUMP_HEADER = struct.Struct("<" + "".join(code for _, code in DUMP_HEADER_FIELDS))
+DUMP_HEADER_BYTES = _DUMP_HEADER.size  # 64
+
+
+def dump_header_offsets() -> Dict[str, int]:
+    """Byte offset of each header field."""
+    offsets, at = {}, 0
+    for name, code in DUMP_HEADER_FIELDS:
+        offsets[name] = at
+        at += struct.calcsize("<" + code)
+    return offsets
+
+
+# Unused sink/residual capacity a loaded state may add beyond the file's own bytes (generated.h
+# PNMIX_DUMP_SLACK_BYTES).
 DUMP_SLACK_BYTES = 1 << 30
 
 
@@ -347,12 +380,11 @@ def _dump_sections(layout: CacheLayout, seq_len: int) -> Iterator[Tuple[str, Tup
 def dump_state(layout: CacheLayout, state: Dict[str, torch.Tensor], seq_len: int) -> bytes:
     """Serialize the persistent part of a cache state (little-endian)."""
     cfg = layout.config
-    header = _DUMP_HEADER.pack(
-        DUMP_MAGIC, DUMP_VERSION, DUMP_HEADER_BYTES, cfg.group_size, cfg.residual_size,
-        cfg.sink_tokens, cfg.value_group_size, cfg.value_bits, cfg.key_high_bits,
-        cfg.key_low_bits, PAIR_LAYOUTS.index(cfg.pair_layout), layout.batch, layout.kv_heads,
-        layout.head_dim, 0, float(cfg.high_ratio), seq_len, 0,
-    )
+    fields = {**cfg.to_dict(), "magic": DUMP_MAGIC, "version": DUMP_VERSION, "header_bytes": DUMP_HEADER_BYTES,
+              "pair_layout": PAIR_LAYOUTS.index(cfg.pair_layout), "high_ratio": float(cfg.high_ratio),
+              "batch": layout.batch, "kv_heads": layout.kv_heads, "head_dim": layout.head_dim, "seq_len": seq_len,
+              "reserved0": 0, "reserved1": 0}
+    header = _DUMP_HEADER.pack(*(fields[name] for name, _ in DUMP_HEADER_FIELDS))
     used = layout.used_slices(seq_len)
     parts = [header]
     for name in STATE_NAMES:
@@ -365,9 +397,11 @@ def load_state(blob: bytes) -> Tuple[CacheLayout, Dict[str, torch.Tensor], int]:
     """Parse a .pnkv dump; the layout's capacity is the dump's seq_len. Checks every size."""
     if len(blob) < DUMP_HEADER_BYTES:
         raise PnMixError(f"pnkv dump too short: {len(blob)} bytes, header needs {DUMP_HEADER_BYTES}")
-    (magic, version, header_bytes, group_size, residual_size, sink_tokens, value_group_size,
-     value_bits, key_high_bits, key_low_bits, layout_index, batch, kv_heads, head_dim, _reserved,
-     high_ratio, seq_len, _reserved2) = _DUMP_HEADER.unpack_from(blob)
+    header = dict(zip((name for name, _ in DUMP_HEADER_FIELDS), _DUMP_HEADER.unpack_from(blob)))
+    magic, version, header_bytes = header["magic"], header["version"], header["header_bytes"]
+    _reserved, _reserved2, layout_index = header["reserved0"], header["reserved1"], header["pair_layout"]
+    batch, kv_heads, head_dim, seq_len = header["batch"], header["kv_heads"], header["head_dim"], header["seq_len"]
+    sink_tokens, residual_size = header["sink_tokens"], header["residual_size"]
     if magic != DUMP_MAGIC:
         raise PnMixError(f"not a pnkv dump: magic {magic!r}, expected {DUMP_MAGIC!r}")
     if version != DUMP_VERSION or header_bytes != DUMP_HEADER_BYTES:
@@ -378,12 +412,8 @@ def load_state(blob: bytes) -> Tuple[CacheLayout, Dict[str, torch.Tensor], int]:
         raise PnMixError(f"pnkv dump has an unknown pair_layout code {layout_index}")
     if seq_len > MAX_SEQ_LEN:
         raise PnMixError(f"pnkv dump claims an implausible seq_len {seq_len}")
-    config = PnMixConfig(
-        high_ratio=high_ratio, group_size=group_size, residual_size=residual_size,
-        sink_tokens=sink_tokens, value_bits=value_bits, value_group_size=value_group_size,
-        pair_layout=PAIR_LAYOUTS[layout_index], key_high_bits=key_high_bits,
-        key_low_bits=key_low_bits,
-    )
+    config = PnMixConfig(**{name: header[name] for name in CONFIG_FIELDS if name != "pair_layout"},
+                         pair_layout=PAIR_LAYOUTS[layout_index])
     layout = CacheLayout(config, batch, kv_heads, head_dim, max(seq_len, 1))
     # The state holds full sink/residual rows; a 64-byte header must not make us allocate
     # (or overflow torch's size arithmetic on) more than the file plus a bounded slack.

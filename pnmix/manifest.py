@@ -8,7 +8,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional
 
-from .config import RunConfig, read_json_file
+from .config import RunConfig, read_json_file, run_config
 from .errors import PnMixError
 from .format import CacheLayout
 from .model import HEAD_DIM, KV_HEADS
@@ -66,12 +66,6 @@ def _finite_number(value: Any) -> bool:
         return False
 
 
-def manifest_run_config(manifest: Mapping[str, Any]) -> RunConfig:
-    from .config import run_config
-
-    return run_config(manifest)
-
-
 def spec_formula_bytes(run: RunConfig, seq_len: int) -> Dict[str, int]:
     """SPEC section 2's byte formula, written independently of the measured accounting."""
     cfg = run.config
@@ -102,7 +96,7 @@ class Row:
 
 def matches_protocol(manifest: Mapping[str, Any], run: RunConfig) -> bool:
     """True when our run is the manifest's protocol (same config and lengths)."""
-    return manifest_run_config(manifest) == run
+    return run_config(manifest) == run
 
 
 def compare(manifest: Mapping[str, Any], run: RunConfig, ours: Dict[str, Dict[str, float]],

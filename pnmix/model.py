@@ -9,7 +9,6 @@ a GEMM in another library would round differently and break packed-byte comparis
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -98,13 +97,3 @@ class DiagnosticModel(nn.Module):
         q = apply_rope(heads(tq, Q_HEADS), cos, sin, self.pair_layout)
         k = apply_rope(heads(tk, KV_HEADS), cos, sin, self.pair_layout)
         return QKV(q.half(), k.half(), heads(tv, KV_HEADS).half())
-
-    @torch.no_grad()
-    def output(self, attention: torch.Tensor) -> torch.Tensor:
-        """attention fp32 [B, Hq, n, D] -> o_proj output [B, n, d_model]."""
-        batch, heads, n, dim = attention.shape
-        return attention.transpose(1, 2).reshape(batch, n, heads * dim) @ self.o_proj.weight.T
-
-
-def attention_scale() -> float:
-    return 1.0 / math.sqrt(HEAD_DIM)

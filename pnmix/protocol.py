@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import platform
 import resource
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Dict, List
 
 import torch
@@ -13,6 +12,7 @@ import torch
 from . import reference
 from .backends.base import Backend
 from .config import RunConfig
+from .machine import cpu_model
 from .dataset import fingerprint, protocol_tokens
 from .format import dump_state
 from .model import DiagnosticModel
@@ -28,20 +28,12 @@ class RunResult:
     online: torch.Tensor  # fp32 [B, Hq, decode, D]: each decode step's output
     final: torch.Tensor  # fp32 [B, Hq, decode, D]: the final evaluation's output
     packed: bytes  # the persistent bytes of the final cache, in .pnkv section order
-    extra: Dict[str, object] = field(default_factory=dict)
 
 
 def accelerator_model(device: str) -> str:
     if device.startswith("cuda") and torch.cuda.is_available():
         return torch.cuda.get_device_name(torch.device(device))
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpu_model()
 
 
 def _peak_bytes(device: str) -> tuple[int, str]:

@@ -3,7 +3,7 @@ PyTorch reference, compared output for output and byte for byte, plus the manife
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import torch
 
@@ -24,27 +24,28 @@ def run_seeds(backend: str, run: RunConfig, seeds: List[int], device: str = "cpu
     return [run_protocol(factory, run, seed, device) for seed in seeds]
 
 
+def compare_runs(mine: RunResult, ref: RunResult, tolerance: float) -> Dict[str, Any]:
+    """One seed's verdict: packed bytes identical and both attention outputs within tolerance."""
+    online = _max_diff(mine.online, ref.online)
+    final = _max_diff(mine.final, ref.final)
+    identical = mine.packed == ref.packed
+    return {
+        "seed": mine.seed,
+        "max_abs_diff_online": online,
+        "max_abs_diff_final": final,
+        "packed_bytes_identical": identical,
+        "passed": identical and online <= tolerance and final <= tolerance,
+    }
+
+
 def verify(backend: str, run: RunConfig, manifest: Dict[str, Any], seeds: List[int],
-           device: str = "cpu", reference_runs: Optional[List[RunResult]] = None,
-           **options: Any) -> Dict[str, Any]:
+           device: str = "cpu", **options: Any) -> Dict[str, Any]:
     """The common verify report: {backend, passed, tolerance, runs: [...], manifest: {...}}."""
     ours = run_seeds(backend, run, seeds, device, **options)
-    refs = reference_runs or run_seeds("torch", run, seeds, "cpu")
+    refs = run_seeds("torch", run, seeds, "cpu")
     tolerance = TOLERANCE.get(backend, 2e-3)
-    records = []
-    for mine, ref in zip(ours, refs):
-        online = _max_diff(mine.online, ref.online)
-        final = _max_diff(mine.final, ref.final)
-        identical = mine.packed == ref.packed
-        records.append({
-            "seed": mine.seed,
-            "max_abs_diff_online": online,
-            "max_abs_diff_final": final,
-            "packed_bytes_identical": identical,
-            "passed": identical and online <= tolerance and final <= tolerance,
-            "metrics": mine.metrics,
-            "runtime": mine.runtime,
-        })
+    records = [{**compare_runs(mine, ref, tolerance), "metrics": mine.metrics, "runtime": mine.runtime}
+               for mine, ref in zip(ours, refs)]
     rows = compare(manifest, run, aggregate(ours), [{"metrics": r.metrics} for r in ours])
     manifest_passed = not any(row.failed for row in rows)
     return {

@@ -81,6 +81,8 @@ def test_bad_seeds_and_device(tmp_path):
 
 
 def test_verify_torch_backend_passes(tmp_path):
+    """The reference through the backend interface, in a second independent run, against the
+    reference run of verify: bit-identical (tolerance 0), and the manifest's exact figures."""
     out = tmp_path / "r.json"
     code, text = run_cli("verify", "--backend", "torch", "--seeds", "42", "--json", out)
     assert code == 0, text
@@ -88,6 +90,54 @@ def test_verify_torch_backend_passes(tmp_path):
     assert report["backend"] == "torch" and report["passed"] is True
     assert report["runs"][0]["packed_bytes_identical"] is True
     assert report["manifest"]["passed"] is True
+    run = report["runs"][0]
+    assert report["tolerance"] == 0.0 and run["max_abs_diff_online"] == 0.0 and run["max_abs_diff_final"] == 0.0
+    assert run["metrics"]["persistent_cache_bytes"] == 32516 and run["metrics"]["actual_attention_calls"] == 66
+
+
+class _Perturbed:
+    """The reference's ops with one change: attention off by `attend_by`, or one key code flipped."""
+
+    name = "perturbed"
+
+    def __init__(self, attend_by=0.0, flip_code=False):
+        from pnmix.cache import ReferenceOps
+
+        self.reference, self.attend_by, self.flip_code = ReferenceOps(), attend_by, flip_code
+
+    def append(self, layout, state, seq_len, k, v):
+        self.reference.append(layout, state, seq_len, k, v)
+        if self.flip_code and layout.lengths(seq_len + k.shape[2]).groups:
+            state["key_codes"][0, 0, 0, 0] ^= 1
+
+    def attend(self, q, layout, state, seq_len, k_new, v_new):
+        return self.reference.attend(q, layout, state, seq_len, k_new, v_new) + self.attend_by
+
+
+@pytest.mark.parametrize("change, failed_field", [
+    (dict(attend_by=1e-3), "max_abs_diff_final"), (dict(flip_code=True), "packed_bytes_identical")])
+def test_verify_fails_a_backend_that_differs_from_the_reference(monkeypatch, change, failed_field):
+    """What makes the torch pass above mean something: the same harness fails a backend whose
+    attention is off by 1e-3 (beyond torch's tolerance 0) or whose packed bytes differ by one bit."""
+    from pnmix import verify as verify_module
+    from pnmix.backends.base import OpsBackend
+    from pnmix.config import run_config
+    from pnmix.manifest import load_manifest
+
+    real = verify_module.make_backend
+
+    def make_backend(name, config, seed, max_seq_len, device="cpu", **options):
+        if name != "perturbed":
+            return real(name, config, seed, max_seq_len, device, **options)
+        return OpsBackend(_Perturbed(**change), config, seed, max_seq_len, device)
+
+    monkeypatch.setattr(verify_module, "make_backend", make_backend)
+    monkeypatch.setitem(verify_module.TOLERANCE, "perturbed", 0.0)
+    manifest = load_manifest()
+    report = verify_module.verify("perturbed", run_config(manifest), manifest, [42])
+    assert report["passed"] is False and report["runs"][0]["passed"] is False
+    record = report["runs"][0]
+    assert (record[failed_field] is False) if failed_field == "packed_bytes_identical" else record[failed_field] > 0
 
 
 def test_verify_needs_exactly_one_backend():

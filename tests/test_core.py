@@ -62,10 +62,19 @@ def ops():
     return CoreOps()
 
 
-def test_c_config_struct_follows_config_fields():
+def test_ctypes_structs_match_the_compiled_c_structs():
+    """The ctypes mirrors (backends/native.py) against offsetof/sizeof as the C compiler laid out
+    params.h's and pnmix_core.h's structs (from generated.h): a field of the wrong type, order
+    or name fails here."""
+    lib = core_ops.core_library()
     assert [name for name, _ in core_ops.CConfig._fields_] == list(CONFIG_FIELDS)
-    # params.h: a double then eight int32 (no padding), then four int64
-    assert ctypes.sizeof(core_ops.CConfig) == 40 and ctypes.sizeof(core_ops.CLayout) == 72
+    for struct, c_name in ((core_ops.CConfig, b"pnmix_config"), (core_ops.CLayout, b"pnmix_layout"),
+                           (core_ops.CState, b"pnmix_state")):
+        assert lib.pnmix_core_struct_offset(c_name, None) == ctypes.sizeof(struct), c_name
+        for name, _ in struct._fields_:
+            assert lib.pnmix_core_struct_offset(c_name, name.encode()) == getattr(struct, name).offset, (c_name, name)
+    assert lib.pnmix_core_struct_offset(b"pnmix_config", b"no_such_field") == -1
+    assert lib.pnmix_core_struct_offset(b"no_such_struct", None) == -1
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

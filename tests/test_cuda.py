@@ -13,7 +13,8 @@ import ctypes
 import pytest
 import torch
 
-from pnmix import cuda_ops, reference
+from pnmix import reference
+from pnmix.backends import cuda_ops
 from pnmix.cache import append_reference
 from pnmix.config import PnMixConfig
 from pnmix.errors import PnMixError

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from pnmix._native import NativeLibraryError
 from pnmix.backends import make_backend
 from pnmix.config import PnMixConfig, RunConfig
-from pnmix.errors import PnMixError
 from pnmix.protocol import RunResult, run_protocol
 
 REPO = Path(__file__).resolve().parents[1]
@@ -83,15 +83,11 @@ def test_a_fresh_process_gives_the_same_bytes(torch_run):
     assert metrics == repr(sorted(torch_run.metrics.items()))
 
 
-def _backend_or_skip(name: str, **options):
-    try:
-        return protocol(name, **options)
-    except (ImportError, OSError, PnMixError) as exc:
-        pytest.skip(f"backend {name} does not run here: {type(exc).__name__}: {exc}")
-
-
 def test_core_backend_is_deterministic_and_matches_torch_bytes(torch_run):
-    first = _backend_or_skip("core")
+    try:
+        first = protocol("core")
+    except NativeLibraryError as exc:  # conftest.py fails the run for this where the core must exist
+        pytest.skip(f"libpnmix_core is not built: {exc}")
     assert_same_run(first, protocol("core"))
     assert first.packed == torch_run.packed, "core packs other bytes than the reference"
 
@@ -120,13 +116,10 @@ def test_triton_interpreter_is_deterministic_and_matches_torch_bytes():
 
 
 def test_onnx_backend_is_deterministic_and_matches_torch_bytes(torch_run, tmp_path):
-    try:
-        from pnmix.backends import onnx_backend  # noqa: F401
-        from pnmix.export.exporter import export_onnx
-    except ImportError as exc:
-        pytest.skip(f"the ONNX exporter or backend is not built yet: {exc}")
+    from pnmix.export.exporter import export_onnx
+
     model = tmp_path / "m.onnx"
     export_onnx(model, RUN.config, max_seq_len=RUN.total_tokens, batch=1, seed=SEED)
-    first = _backend_or_skip("onnx", model=model)
+    first = protocol("onnx", model=model)
     assert_same_run(first, protocol("onnx", model=model))
     assert first.packed == torch_run.packed, "onnx packs other bytes than the reference"

@@ -15,9 +15,10 @@ from hypothesis import strategies as st
 from pnmix.config import PnMixConfig
 from pnmix.errors import PnMixError
 
-onnx = pytest.importorskip("onnx")
-exporter = pytest.importorskip("pnmix.export.exporter", reason="the ONNX exporter is not built yet")
-modelfile = pytest.importorskip("pnmix.export.modelfile", reason="the ONNX model reader is not built yet")
+import onnx
+
+from pnmix.backends.tensorrt import engine as trt
+from pnmix.export import exporter, modelfile
 
 CONFIG = PnMixConfig(group_size=8, residual_size=16, sink_tokens=4)
 CASES = {"corrupted exports": 0}
@@ -115,7 +116,6 @@ def test_every_command_that_reads_onnx_refuses_escaping_external_data(export_byt
 
 
 def test_build_engine_refuses_escaping_external_data_before_tensorrt(export_bytes, layout, tmp_path):
-    pytest.importorskip("pnmix.trt", reason="pnmix.trt is not built yet")
     folder, secret = layout
     path = with_external_weights(export_bytes, folder, "../secret.bin", secret)
     plugins = tmp_path / "libpnmix_trt_plugins.so"
@@ -162,7 +162,6 @@ def test_corrupted_exports_load_or_fail_with_one_pnmix_error(export_bytes, tmp_p
 
 
 def test_plugin_paths_are_checked_before_tensorrt(tmp_path):
-    trt = pytest.importorskip("pnmix.trt", reason="pnmix.trt is not built yet")
     with pytest.raises(PnMixError, match="--plugins"):
         trt.check_plugin_path(None)
     with pytest.raises(PnMixError, match="plugin library not found"):
@@ -175,7 +174,6 @@ def test_plugin_paths_are_checked_before_tensorrt(tmp_path):
 
 
 def test_engine_sidecar_problems_are_one_line(tmp_path):
-    trt = pytest.importorskip("pnmix.trt", reason="pnmix.trt is not built yet")
     plan = tmp_path / "e.plan"
     plan.write_bytes(b"junk")
     with pytest.raises(PnMixError, match="engine description not found"):
@@ -211,7 +209,6 @@ def test_engine_sidecar_problems_are_one_line(tmp_path):
 def test_every_engine_sidecar_field_is_checked(tmp_path, change, words):
     import json
 
-    trt = pytest.importorskip("pnmix.trt", reason="pnmix.trt is not built yet")
     good = {"format": "pnmix-engine-1", "config": PnMixConfig().to_dict(), "capacity": 448, "batch": 1,
             "seed": 42, "precision": "fp32", "refittable": True,
             "profiles": {"decode": 0, "prefill": 1, "max_prefill": 384}}
@@ -246,7 +243,6 @@ def test_every_engine_sidecar_field_is_checked(tmp_path, change, words):
     (PnMixConfig(), 100, 90),       # the manifest's config: bench onnx --max-seq-len 100
 ])
 def test_small_capacities_run_in_onnxruntime_like_the_reference(tmp_path, config, capacity, prefill):
-    pytest.importorskip("onnxruntime")
     import torch
 
     from pnmix.backends.base import OpsBackend

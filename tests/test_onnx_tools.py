@@ -9,7 +9,7 @@ import pytest
 
 from pnmix.config import PnMixConfig
 from pnmix.errors import PnMixError
-from pnmix.export import trt_ep
+from pnmix.backends.tensorrt import ort_ep as trt_ep
 from pnmix.export.bench import bench_command
 from pnmix.export.exporter import export_onnx
 from pnmix.export.modelfile import load_checked

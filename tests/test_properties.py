@@ -22,6 +22,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pnmix._native import NativeLibraryError
 from pnmix.testing import schedule_list_model
 from pnmix import reference
 from pnmix.cache import PackedKVCache
@@ -236,7 +237,7 @@ def core_decoder():
         from pnmix.backends import core_ops
 
         core_ops.core_library()
-    except Exception as exc:  # not built here: NativeLibraryError, ImportError, an ABI mismatch
+    except NativeLibraryError as exc:  # not built here; conftest.py fails the run where it must be
         pytest.skip(f"libpnmix_core is not available: {exc}")
     return core_ops.load_state
 
@@ -490,8 +491,6 @@ def fields_lib(tmp_path_factory):
     """libpnmix_fields: the CMake build when newer than its sources, else compiled here."""
     repo = Path(__file__).resolve().parents[1]
     sources = [repo / s for s in FIELDS_SOURCES]
-    if not all(s.exists() for s in sources):
-        pytest.skip("the TensorRT helper's field parser (plugins/trt/fields_abi.cpp) is not here yet")
     from pnmix import _native
 
     path, _ = _native.find_library("pnmix_fields")

@@ -19,14 +19,14 @@ pytest.importorskip("triton", reason="triton is not installed (pip install 'pnmi
 
 from pnmix import reference  # noqa: E402
 from pnmix.backends import make_ops  # noqa: E402
-from pnmix.cache import PackedKVCache, append_reference  # noqa: E402
+from pnmix.cache import PackedKVCache  # noqa: E402
 from pnmix.config import PnMixConfig, RunConfig  # noqa: E402
 from pnmix.errors import PnMixError  # noqa: E402
 from pnmix.format import CacheLayout  # noqa: E402
 
-from pnmix import triton_kernels  # noqa: E402
+from pnmix.backends import triton_kernels  # noqa: E402
 from pnmix.backends import triton_ops  # noqa: E402
-from pnmix.backends.triton_ops import append_triton, attend_triton, bench_factory  # noqa: E402
+from pnmix.backends.triton_ops import attend_triton, bench_factory  # noqa: E402
 
 if triton_kernels.interpreting() and triton_kernels.interpreter_problem():
     pytest.skip(triton_kernels.interpreter_problem(), allow_module_level=True)
@@ -91,9 +91,8 @@ def test_values_are_byte_identical(name):
 
 def run_both(config, chunks, heads=2, dim=32, batch=1, seed=0):
     """Append the same K/V chunks through the reference and the Triton append."""
-    caches = [PackedKVCache(PnMixConfig(**config), heads, dim, sum(chunks), batch=batch, device=device,
-                            append_fn=fn)
-              for fn, device in ((append_reference, "cpu"), (append_triton, DEVICE))]
+    caches = [PackedKVCache(PnMixConfig(**config), heads, dim, sum(chunks), batch=batch, device=device, ops=ops)
+              for ops, device in ((make_ops("torch"), "cpu"), (make_ops("triton", DEVICE), DEVICE))]
     k, v = make_random_kv(batch, heads, sum(chunks), dim, seed=seed)
     at = 0
     for n in chunks:
@@ -266,7 +265,7 @@ def test_unknown_device_is_a_one_line_error():
 COMPILE_SCRIPT = r"""
 import torch, triton
 from triton.backends.compiler import GPUTarget
-from pnmix import triton_kernels as tk
+from pnmix.backends import triton_kernels as tk
 
 TYPES = {torch.float16: "*fp16", torch.float32: "*fp32", torch.uint8: "*u8", torch.int32: "*i32"}
 

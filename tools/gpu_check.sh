@@ -71,7 +71,7 @@ cmake --build "$BUILD" -j"$(nproc)" > "$WORK/build.log" 2>&1 || { tail -60 "$WOR
 tail -2 "$WORK/build.log"
 echo "build: $(( $(date +%s) - t0 )) s; libraries:"
 find "$BUILD" -name 'libpnmix_*.so' -printf '  %p\n'
-python3 -c "from pnmix import cuda_ops; ok, where = cuda_ops.library_status(); print('libpnmix_cuda:', where); assert ok"
+python3 -c "from pnmix.backends import cuda_ops; ok, where = cuda_ops.library_status(); print('libpnmix_cuda:', where); assert ok"
 
 banner "3/7 CUDA kernel tests (tests/test_cuda.py)"
 run test_cuda 300 python3 -m pytest -q -rs tests/test_cuda.py
@@ -111,7 +111,7 @@ else
 import json, os, sys
 import torch
 import torch.nn.functional as F
-from pnmix import cuda_ops
+from pnmix.backends import cuda_ops
 from pnmix.config import PnMixConfig
 from pnmix.format import CacheLayout
 
@@ -189,7 +189,7 @@ fi
 
 banner "7/7 TensorRT"
 if [ "$TRT" = 1 ]; then
-  # ==== TensorRT section (owned by the TensorRT work: plugins/trt, plugins/examples, pnmix/trt.py) ====
+  # ==== TensorRT section (owned by the TensorRT work: plugins/trt, plugins/examples, pnmix/backends/tensorrt/) ====
   # Headers: $TENSORRT_INCLUDE_DIR, the usual install folders, or third_party/TensorRT/include (a
   # copy of NVIDIA/TensorRT's include/; match the installed TensorRT's major version). libnvinfer:
   # $TENSORRT_LIB_DIR, else the pip wheel's tensorrt_libs folder (only the C++ example links it).

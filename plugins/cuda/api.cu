@@ -1,42 +1,28 @@
 // plugins/cuda/api.cu: the extern "C" entry points of libpnmix_cuda (pnmix/pnmix_cuda.h).
 //
-// Every entry point checks its arguments on the host first (layout through format.h's
-// layout_error, each state buffer's size against state_bytes, every byte count, that pointers
-// are device memory) and only then enqueues kernels. Errors are a status code plus a one-line,
-// thread-local message. The pair mask's contents are not checked (pnmix_cuda.h says why).
+// Every entry point checks its arguments on the host first (layout and state buffers through
+// pnmix/abi_check.h, as libpnmix_core does; every byte count; that pointers are device memory)
+// and only then enqueues kernels. Errors are a status code plus a one-line, thread-local message
+// (abi_check.h's slot). The pair mask's contents are not checked (pnmix_cuda.h says why).
 #include <cuda_runtime.h>
-#include <stdarg.h>
 #include <stdio.h>
 
 #include "kernels.cuh"
+#include "pnmix/abi_check.h"
 #include "pnmix/format.h"
 #include "pnmix/pnmix_cuda.h"
+
+PNMIX_DEFINE_ERROR_SLOT()
 
 namespace {
 
 using namespace pnmix;
 using namespace pnmix::cuda;
 
-thread_local char g_error[512] = "";
-
-int fail(int code, const char* fmt, ...) {
-  va_list args;
-  va_start(args, fmt);
-  vsnprintf(g_error, sizeof g_error, fmt, args);
-  va_end(args);
-  return code;
-}
-
-int ok() {
-  g_error[0] = '\0';
-  return PNMIX_OK;
-}
-
-int check_layout(const pnmix_layout* layout) {
-  if (!layout) return fail(PNMIX_ERR_NULL, "layout is null");
-  if (const char* bad = layout_error(*layout)) return fail(PNMIX_ERR_CONFIG, "%s", bad);
-  return PNMIX_OK;
-}
+using abi::check_layout;
+using abi::check_state;
+using abi::fail;
+using abi::ok;
 
 // Device (or managed) memory? Host pointers would fault inside a kernel, so refuse them here.
 int check_device_pointer(const void* ptr, const char* what) {
@@ -48,12 +34,6 @@ int check_device_pointer(const void* ptr, const char* what) {
   }
   if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged)
     return fail(PNMIX_ERR_NULL, "%s is not device memory (pass CUDA tensors)", what);
-  return PNMIX_OK;
-}
-
-int check_state(const pnmix_layout& L, const pnmix_state* state) {
-  char msg[192];
-  if (const int err = state_problem(L, state, msg, sizeof msg)) return fail(err, "%s", msg);
   return PNMIX_OK;
 }
 
@@ -119,7 +99,7 @@ extern "C" {
 
 int pnmix_cuda_abi_version(void) { return PNMIX_CUDA_ABI_VERSION; }
 
-const char* pnmix_cuda_last_error(void) { return g_error; }
+const char* pnmix_cuda_last_error(void) { return abi::last_error(); }
 
 int pnmix_cuda_append_workspace_bytes(const pnmix_layout* layout, int64_t seq_len, int64_t n, int64_t* out) {
   if (const int err = check_layout(layout)) return err;

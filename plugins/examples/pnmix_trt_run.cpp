@@ -100,17 +100,27 @@ std::string json_value(const std::string& json, const std::string& key) {
   return json.substr(at, end - at);
 }
 
+// pair_layout's code, or -1 for a name that is none (config_error then refuses it).
+int32_t pair_layout_code(const std::string& name) {
+#define PNMIX_X(code, NAME, text) \
+  if (name == text) return code;
+  PNMIX_PAIR_LAYOUTS(PNMIX_X)
+#undef PNMIX_X
+  return -1;
+}
+
+// Every config field of the description, by its CONFIG_FIELDS name (generated.h).
 pnmix_config config_from(const std::string& json) {
   pnmix_config c{};
-  c.high_ratio = std::atof(json_value(json, "high_ratio").c_str());
-  c.group_size = std::atoi(json_value(json, "group_size").c_str());
-  c.residual_size = std::atoi(json_value(json, "residual_size").c_str());
-  c.sink_tokens = std::atoi(json_value(json, "sink_tokens").c_str());
-  c.value_bits = std::atoi(json_value(json, "value_bits").c_str());
-  c.value_group_size = std::atoi(json_value(json, "value_group_size").c_str());
-  c.pair_layout = json_value(json, "pair_layout") == "half" ? PNMIX_PAIR_HALF : PNMIX_PAIR_ADJACENT;
-  c.key_high_bits = std::atoi(json_value(json, "key_high_bits").c_str());
-  c.key_low_bits = std::atoi(json_value(json, "key_low_bits").c_str());
+#define PNMIX_READ_RATIO(name) c.name = std::atof(json_value(json, #name).c_str());
+#define PNMIX_READ_INT(name) c.name = std::atoi(json_value(json, #name).c_str());
+#define PNMIX_READ_LAYOUT(name) c.name = pair_layout_code(json_value(json, #name));
+#define PNMIX_X(name, kind) PNMIX_READ_##kind(name)
+  PNMIX_CONFIG_FIELDS(PNMIX_X)
+#undef PNMIX_X
+#undef PNMIX_READ_RATIO
+#undef PNMIX_READ_INT
+#undef PNMIX_READ_LAYOUT
   if (const char* bad = pnmix::config_error(c)) die(std::string("engine description: ") + bad);
   return c;
 }

@@ -68,7 +68,7 @@ int32_t PnMixAppendPlugin::enqueue(const nvinfer1::PluginTensorDesc* inputDesc, 
       const cudaError_t err = cudaMemcpyAsync(outputs[i], inputs[mIo.state + i], static_cast<size_t>(state.nbytes[i]),
                                               cudaMemcpyDeviceToDevice, stream);
       if (err != cudaSuccess) {
-        log(ILogger::Severity::kERROR, "PnMixAppend '%s': copying the state failed: %s", mLayer.c_str(),
+        log(ILogger::Severity::kERROR, PNMIX_APPEND_PLUGIN_NAME " '%s': copying the state failed: %s", mLayer.c_str(),
             cudaGetErrorString(err));
         return -1;
       }
@@ -84,7 +84,7 @@ int32_t PnMixAppendPlugin::enqueue(const nvinfer1::PluginTensorDesc* inputDesc, 
                                static_cast<const uint16_t*>(inputs[mIo.v_new]), new_len, kv_bytes, workspace, needed,
                                stream);
   if (status != PNMIX_OK) {
-    log(ILogger::Severity::kERROR, "PnMixAppend '%s': %s", mLayer.c_str(), pnmix_cuda_last_error());
+    log(ILogger::Severity::kERROR, PNMIX_APPEND_PLUGIN_NAME " '%s': %s", mLayer.c_str(), pnmix_cuda_last_error());
     return -1;
   }
   return 0;

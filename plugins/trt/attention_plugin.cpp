@@ -76,7 +76,7 @@ int32_t PnMixAttentionPlugin::enqueue(const nvinfer1::PluginTensorDesc* inputDes
                                stream);
   }
   if (status != PNMIX_OK) {
-    log(ILogger::Severity::kERROR, "PnMixAttention '%s': %s", mLayer.c_str(), pnmix_cuda_last_error());
+    log(ILogger::Severity::kERROR, PNMIX_ATTENTION_PLUGIN_NAME " '%s': %s", mLayer.c_str(), pnmix_cuda_last_error());
     return -1;
   }
   return 0;

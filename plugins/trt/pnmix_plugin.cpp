@@ -85,7 +85,17 @@ bool parse_fields(const PluginFieldCollection* fc, const char* plugin, const cha
 // ---- shapes and types -----------------------------------------------------------------------------------
 
 bool is_byte_state(int i) noexcept {
-  return i == PNMIX_KEY_CODES || i == PNMIX_VALUE_CODES || i == PNMIX_PAIR_MASK;
+  switch (i) {  // generated.h: the codes and the mask travel as INT8, the rest as FLOAT16
+#define PNMIX_X(index, NAME, name, elem_bytes, type) \
+  case index: return PNMIX_TYPE_IS_INT8_##type;
+#define PNMIX_TYPE_IS_INT8_INT8 true
+#define PNMIX_TYPE_IS_INT8_FLOAT16 false
+    PNMIX_STATE_TENSORS(PNMIX_X)
+#undef PNMIX_TYPE_IS_INT8_INT8
+#undef PNMIX_TYPE_IS_INT8_FLOAT16
+#undef PNMIX_X
+    default: return false;
+  }
 }
 
 bool check_shapes(const IoMap& io, const pnmix_config& config, const Dims* dims, int32_t nb_inputs, const char* layer,
@@ -279,14 +289,18 @@ int64_t append_workspace_bound(const Shapes& s, int64_t max_tokens) noexcept {
 
 PnMixPluginBase::PnMixPluginBase(const pnmix_config& config, const char* layer, const IoMap& io)
     : mConfig(config), mLayer(layer ? layer : ""), mIo(io) {
-  char text[320];
-  snprintf(text, sizeof text,
-           "pn-mix high_ratio=%.17g group_size=%d residual_size=%d sink_tokens=%d value_bits=%d "
-           "value_group_size=%d pair_layout=%s key_high_bits=%d key_low_bits=%d",
-           config.high_ratio, config.group_size, config.residual_size, config.sink_tokens, config.value_bits,
-           config.value_group_size, kPairLayoutNames[config.pair_layout == PNMIX_PAIR_HALF ? 1 : 0],
-           config.key_high_bits, config.key_low_bits);
-  mMetadata = text;
+  // "pn-mix high_ratio=... group_size=... ...": every config field, in CONFIG_FIELDS order.
+  mMetadata = "pn-mix";
+  for (const FieldSpec& field : kConfigFields) {
+    char value[40];
+    if (field.kind == FieldKind::kRatio)
+      snprintf(value, sizeof value, "%.17g", config.high_ratio);
+    else if (field.kind == FieldKind::kLayout)
+      snprintf(value, sizeof value, "%s", pair_layout_name(config.*field.member));
+    else
+      snprintf(value, sizeof value, "%d", (int)(config.*field.member));
+    mMetadata += std::string(" ") + field.name + "=" + value;
+  }
 }
 
 PnMixPluginBase::PnMixPluginBase(const PnMixPluginBase& other)

@@ -10,7 +10,7 @@
 // scalars on the device; the state tensors at their capacity shapes (docs/FORMAT.md section 3),
 // codes and mask INT8. The queries are the last n of the seq_len + new_len positions; new_len is
 // n (prefill / decode: attend to and append these tokens) or 0 (evaluation: attention only).
-// The optional 16th input of PnMixAppend only orders it after the attention (pnmix/trt.py adds
+// The optional 16th input of PnMixAppend only orders it after the attention (pnmix/backends/tensorrt/engine.py adds
 // it); its data is never read.
 //
 // The cache is updated in place: bind present_<name> to the same device address as <name>
@@ -60,9 +60,15 @@ struct IoMap {
   int min_inputs, max_inputs;
 };
 
-constexpr IoMap kAttentionIo{0, 1, 2, 3, 4, 5, 16, 16};
-constexpr IoMap kAppendIo{-1, 0, 1, 2, 3, 4, 15, 16};
-constexpr int kMaxInputs = 16;
+// Input positions from generated.h (export/ops.py's ATTENTION_INPUTS / APPEND_INPUTS).
+constexpr IoMap kAttentionIo{PNMIX_ATTENTION_IN_Q,       PNMIX_ATTENTION_IN_K_NEW,   PNMIX_ATTENTION_IN_V_NEW,
+                             PNMIX_ATTENTION_IN_SEQ_LEN, PNMIX_ATTENTION_IN_NEW_LEN, PNMIX_ATTENTION_IN_FIRST_STATE,
+                             PNMIX_ATTENTION_NUM_INPUTS, PNMIX_ATTENTION_NUM_INPUTS};
+constexpr IoMap kAppendIo{PNMIX_APPEND_IN_Q,       PNMIX_APPEND_IN_K_NEW,   PNMIX_APPEND_IN_V_NEW,
+                          PNMIX_APPEND_IN_SEQ_LEN, PNMIX_APPEND_IN_NEW_LEN, PNMIX_APPEND_IN_FIRST_STATE,
+                          PNMIX_APPEND_NUM_INPUTS, PNMIX_APPEND_MAX_INPUTS};
+constexpr int kMaxInputs = PNMIX_APPEND_MAX_INPUTS > PNMIX_ATTENTION_NUM_INPUTS ? PNMIX_APPEND_MAX_INPUTS
+                                                                               : PNMIX_ATTENTION_NUM_INPUTS;
 
 // The shapes a call runs with, from its tensors' dims (-1 for a dimension only known at run time).
 struct Shapes {

@@ -1,15 +1,25 @@
-"""Backends behind one interface (see base.py). ``make_backend`` is the only entry point."""
+"""Every backend, behind one interface (see base.py), and the one registry that names them.
+
+``make_ops(name)`` builds a cache-ops backend, ``make_backend(name)`` any backend,
+``default_ops(device)`` the best cache ops this machine has for a device. Each backend lives in
+one module (``cuda_ops``, ``core_ops``, ``triton_ops`` + ``triton_kernels``, ``onnx_backend``) or
+one subpackage (``tensorrt``); ``native`` is the ctypes glue the two C ABIs share.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+from ..cache import CacheOps
 from ..config import PnMixConfig
 from ..errors import PnMixError
-from .base import Backend, CacheOps, OpsBackend
+from .base import Backend, OpsBackend
 
 OPS_BACKENDS = ("torch", "core", "triton", "cuda")
-ALL_BACKENDS = OPS_BACKENDS + ("onnx", "engine")
+# default_ops's preference per device type; the reference (torch) serves when none of them can.
+DEFAULT_PREFERENCE = {"cuda": ("triton",), "cpu": ("core",)}
 
 
 def make_ops(name: str, device: str = "cpu") -> CacheOps:
@@ -26,10 +36,23 @@ def make_ops(name: str, device: str = "cpu") -> CacheOps:
 
         return TritonOps(device)
     if name == "cuda":
-        from ..cuda_ops import CudaOps
+        from .cuda_ops import CudaOps
 
         return CudaOps(device)
     raise PnMixError(f"unknown backend '{name}'; choose one of {', '.join(OPS_BACKENDS)}")
+
+
+def default_ops(device: torch.device | str = "cpu") -> CacheOps:
+    """The cache ops for `device`: Triton on CUDA devices, the C++ core on CPU, the reference
+    when the preferred one is not installed or built here (its constructor says why: a
+    PnMixError; any other exception is a bug and propagates)."""
+    device = torch.device(device)
+    for name in DEFAULT_PREFERENCE.get(device.type, ()):
+        try:
+            return make_ops(name, str(device))
+        except PnMixError:
+            continue
+    return make_ops("torch", str(device))
 
 
 def make_backend(name: str, config: PnMixConfig, seed: int, max_seq_len: int,
@@ -40,10 +63,10 @@ def make_backend(name: str, config: PnMixConfig, seed: int, max_seq_len: int,
 
         return OnnxBackend(config, seed, max_seq_len, device, **options)
     if name == "engine":
-        from .trt_backend import TrtBackend
+        from .tensorrt.backend import TrtBackend
 
         return TrtBackend(config, seed, max_seq_len, device, **options)
     return OpsBackend(make_ops(name, device), config, seed, max_seq_len, device)
 
 
-__all__ = ["Backend", "CacheOps", "OpsBackend", "make_backend", "make_ops", "ALL_BACKENDS"]
+__all__ = ["Backend", "CacheOps", "OpsBackend", "default_ops", "make_backend", "make_ops", "OPS_BACKENDS"]

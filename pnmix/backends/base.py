@@ -21,7 +21,7 @@ from typing import Dict, Tuple
 
 import torch
 
-from ..cache import PackedKVCache
+from ..cache import CacheOps, PackedKVCache
 from ..config import PnMixConfig
 from ..format import CacheLayout
 from ..model import KV_HEADS, HEAD_DIM, DiagnosticModel
@@ -46,20 +46,6 @@ class Backend(ABC):
     def state(self) -> Tuple[CacheLayout, State, int]: ...
 
 
-class CacheOps(ABC):
-    """The two pn-mix mechanisms over a state dict, as one backend implements them."""
-
-    name: str = "?"
-
-    @abstractmethod
-    def append(self, layout: CacheLayout, state: State, seq_len: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Append fp16 K/V [B, H, n, D] in place (mask on the first append, flush when full)."""
-
-    @abstractmethod
-    def attend(self, q, layout: CacheLayout, state: State, seq_len: int, k_new, v_new) -> torch.Tensor:
-        """fp32 [B, Hq, nq, D]: q over the cache then k_new/v_new (queries are the last nq)."""
-
-
 class OpsBackend(Backend):
     """The diagnostic model in torch, with the cache ops of one backend."""
 
@@ -69,7 +55,7 @@ class OpsBackend(Backend):
         self.name = ops.name
         self.model = DiagnosticModel(seed, config.pair_layout)
         self.tables = tuple(t.to(device) for t in self.model.token_tables())
-        self.cache = PackedKVCache(config, KV_HEADS, HEAD_DIM, max_seq_len, device=device, append_fn=ops.append)
+        self.cache = PackedKVCache(config, KV_HEADS, HEAD_DIM, max_seq_len, device=device, ops=ops)
 
     def step(self, tokens: torch.Tensor, seq_len: int, write: bool) -> torch.Tensor:
         tokens = tokens.to(self.device)

@@ -12,38 +12,19 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .._native import load_library
-from ..cache import check_new_kv, check_queries
-from ..config import CONFIG_FIELDS, PAIR_LAYOUTS, PnMixConfig
+from ..cache import CacheOps, check_new_kv, check_queries
 from ..errors import PnMixError
-from ..format import STATE_DTYPES, STATE_NAMES, CacheLayout
-from .base import CacheOps
+from ..format import CacheLayout
+from . import native
+from .native import INT as _INT, I64 as _I64, PTR as _PTR, CConfig, CLayout, CState, c_layout, nbytes as _nbytes, ptr as _ptr
 
 LIBRARY = "pnmix_core"
 ABI_VERSION = 2
 
-_C_TYPES = {"high_ratio": ctypes.c_double}
-
-
-class CConfig(ctypes.Structure):
-    """pnmix_config (params.h): CONFIG_FIELDS in order; pair_layout as its index in PAIR_LAYOUTS."""
-
-    _fields_ = [(name, _C_TYPES.get(name, ctypes.c_int32)) for name in CONFIG_FIELDS]
-
-
-class CLayout(ctypes.Structure):
-    _fields_ = [("config", CConfig), ("batch", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
-                ("head_dim", ctypes.c_int64), ("max_seq_len", ctypes.c_int64)]
-
-
-class CState(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p * len(STATE_NAMES)), ("nbytes", ctypes.c_int64 * len(STATE_NAMES))]
-
-
-_I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
     "pnmix_core_abi_version": ([], _INT),
     "pnmix_last_error": ([], ctypes.c_char_p),
+    "pnmix_core_struct_offset": ([ctypes.c_char_p, ctypes.c_char_p], _I64),
     "pnmix_state_bytes": ([_PTR, _PTR], _INT),
     "pnmix_persistent_bytes": ([_PTR, _I64, _PTR], _INT),
     "pnmix_append": ([_PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64], _INT),
@@ -57,61 +38,34 @@ _SIGNATURES = {
     "pnmix_dump_header": ([_PTR, _I64, _PTR, _PTR], _INT),
     "pnmix_dump_read": ([_PTR, _I64, _PTR, _PTR, _PTR], _INT),
 }
+__all__ = ["CConfig", "CLayout", "CState", "CoreOps", "c_layout", "c_state", "check", "core_library",
+           "dump_state", "load_state"]
 
 
 def core_library() -> ctypes.CDLL:
     """libpnmix_core with its prototypes set; NativeLibraryError when not built."""
-    lib = load_library(LIBRARY)
-    if not getattr(lib, "_pnmix_ready", False):
-        for name, (args, result) in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = args, result
-        version = lib.pnmix_core_abi_version()
-        if version != ABI_VERSION:
-            raise PnMixError(f"libpnmix_core ABI version {version}, this pnmix needs {ABI_VERSION}: rebuild it")
-        lib._pnmix_ready = True
-    return lib
+    return native.bind_library(LIBRARY, _SIGNATURES, "pnmix_core_abi_version", ABI_VERSION)
 
 
 def check(lib: ctypes.CDLL, status: int) -> None:
-    if status != 0:
-        raise PnMixError(f"pnmix core: {lib.pnmix_last_error().decode(errors='replace')}")
+    native.check_status(status, "pnmix core", lib.pnmix_last_error)
 
 
-def c_layout(layout: CacheLayout) -> CLayout:
-    fields = layout.config.to_dict()
-    fields["pair_layout"] = PAIR_LAYOUTS.index(fields["pair_layout"])
-    return CLayout(CConfig(**fields), layout.batch, layout.kv_heads, layout.head_dim, layout.max_seq_len)
-
-
-def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
-    return None if t is None or t.numel() == 0 else t.data_ptr()
+def _on_cpu(name: str, t: torch.Tensor):
+    if t.device.type != "cpu":
+        return f"the core backend needs CPU tensors; state tensor '{name}' is on {t.device}"
+    return None
 
 
 def c_state(state: Dict[str, torch.Tensor]) -> CState:
     """The state tensors as C buffers: CPU, contiguous, of the format's dtype (checked here)."""
-    out = CState()
-    for i, name in enumerate(STATE_NAMES):
-        t = state.get(name)
-        if t is None:
-            raise PnMixError(f"cache state is missing tensor '{name}'")
-        if t.device.type != "cpu":
-            raise PnMixError(f"the core backend needs CPU tensors; state tensor '{name}' is on {t.device}")
-        if t.dtype != STATE_DTYPES[name] or not t.is_contiguous():
-            raise PnMixError(f"state tensor '{name}' must be a contiguous {STATE_DTYPES[name]} tensor, got {t.dtype}")
-        out.data[i] = _ptr(t)
-        out.nbytes[i] = t.numel() * t.element_size()
-    return out
+    return native.c_state(state, _on_cpu)
 
 
 def _fp16(t: torch.Tensor, what: str) -> torch.Tensor:
     if t.device.type != "cpu":
         raise PnMixError(f"the core backend needs CPU tensors; {what} is on {t.device}")
     return t.to(torch.float16).contiguous()
-
-
-def _nbytes(t: Optional[torch.Tensor]) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
 
 
 class CoreOps(CacheOps):
@@ -175,9 +129,7 @@ def load_state(blob: bytes) -> Tuple[CacheLayout, Dict[str, torch.Tensor], int]:
     raw = ctypes.create_string_buffer(blob, len(blob))
     lay, seq_len = CLayout(), ctypes.c_int64()
     check(lib, lib.pnmix_dump_header(raw, len(blob), ctypes.byref(lay), ctypes.byref(seq_len)))
-    fields = {name: getattr(lay.config, name) for name in CONFIG_FIELDS}
-    fields["pair_layout"] = PAIR_LAYOUTS[fields["pair_layout"]]
-    layout = CacheLayout(PnMixConfig(**fields), lay.batch, lay.kv_heads, lay.head_dim, lay.max_seq_len)
+    layout = native.layout_from_c(lay)
     state = layout.empty_state()
     check(lib, lib.pnmix_dump_read(raw, len(blob), ctypes.byref(lay), ctypes.byref(c_state(state)), None))
     return layout, state, seq_len.value

@@ -108,17 +108,10 @@ class OnnxBackend(Backend):
             "seq_len": np.array(seq_len, dtype=np.int64),
             "new_len": np.array(new_len, dtype=np.int64),
         }
-        shapes = self.layout.state_shapes()
+        arrays = {name: np.asarray(state[name]) for name in STATE_NAMES if state.get(name) is not None}
+        self.layout.check_state(arrays)
         for name in STATE_NAMES:
-            array = state.get(name)
-            if array is None:
-                raise PnMixError(f"cache state is missing tensor '{name}'")
-            array = np.asarray(array)
-            if tuple(array.shape) != tuple(shapes[name]):
-                raise PnMixError(f"state tensor '{name}' has shape {list(array.shape)}, the model takes {list(shapes[name])}")
-            if array.dtype.itemsize != np.dtype(_numpy_dtype(name)).itemsize:
-                raise PnMixError(f"state tensor '{name}' has dtype {array.dtype}, the model takes {np.dtype(_numpy_dtype(name))}")
-            feeds[name] = np.ascontiguousarray(array).view(_numpy_dtype(name))
+            feeds[name] = np.ascontiguousarray(arrays[name]).view(_numpy_dtype(name))
         values = self.session.run(None, feeds)
         return dict(zip(self._output_names, values))
 
@@ -126,15 +119,9 @@ class OnnxBackend(Backend):
         """Start from a given packed state (uint8 or int8 codes) holding seq_len tokens."""
         if not 0 <= seq_len <= self.layout.max_seq_len:
             raise PnMixError(f"seq_len {seq_len} outside 0..{self.layout.max_seq_len}")
-        shapes = self.layout.state_shapes()
-        state = {}
-        for name in STATE_NAMES:
-            if name not in tensors:
-                raise PnMixError(f"cache state is missing tensor '{name}'")
-            t = tensors[name]
-            if tuple(t.shape) != tuple(shapes[name]):
-                raise PnMixError(f"state tensor '{name}' has shape {list(t.shape)}, the model takes {list(shapes[name])}")
-            state[name] = t.cpu().contiguous().numpy().view(_numpy_dtype(name)).copy()
+        self.layout.check_state(tensors)
+        state = {name: tensors[name].cpu().contiguous().numpy().view(_numpy_dtype(name)).copy()
+                 for name in STATE_NAMES}
         self._state, self.seq_len = state, seq_len
 
     def _check_tokens(self, tokens: torch.Tensor) -> int:

@@ -1,4 +1,4 @@
-"""The Triton backend: pn-mix's two cache ops with Triton kernels (pnmix/triton_kernels.py).
+"""The Triton backend: pn-mix's two cache ops with Triton kernels (triton_kernels.py beside it).
 
 append: the saliency mask and the sink/residual bookkeeping are the reference's (cheap torch
 code, cache.append_reference); each new group is fitted, quantized and packed by Triton
@@ -17,10 +17,9 @@ from typing import Callable
 import torch
 
 from .. import reference
-from ..cache import append_reference, check_queries
+from ..cache import CacheOps, State, append_reference, check_queries
 from ..errors import PnMixError
 from ..format import CacheLayout
-from .base import CacheOps, State
 
 
 def triton_available() -> bool:
@@ -28,8 +27,8 @@ def triton_available() -> bool:
 
 
 def _kernels():
-    """pnmix.triton_kernels, imported on first use (importing triton is slow)."""
-    from .. import triton_kernels
+    """pnmix.backends.triton_kernels, imported on first use (importing triton is slow)."""
+    from . import triton_kernels
 
     return triton_kernels
 

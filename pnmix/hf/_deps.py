@@ -4,10 +4,6 @@ from __future__ import annotations
 
 from ..errors import PnMixError, describe
 
-# Tested range; pyproject's `hf` extra states the same.
-TRANSFORMERS_RANGE = (">=5.0", "<6")
-
-
 def require_transformers():
     """Import transformers 5.x or fail with one line that says how to get it."""
     try:

@@ -30,7 +30,6 @@ import torch
 from ..cache import PackedKVCache
 from ..config import PnMixConfig
 from ..errors import PnMixError
-from ..format import STATE_NAMES
 from ._deps import require_transformers
 
 require_transformers()
@@ -67,18 +66,10 @@ def resolve_config(config: Optional[PnMixConfig], overrides: dict, model_config:
 
 
 def choose_ops(device: torch.device, backend: Optional[str] = None):
-    """The cache ops: the named backend, else Triton on CUDA, the C++ core on CPU, the reference last."""
-    from ..backends import make_ops
+    """The cache ops: the named backend, else the registry's default for the device."""
+    from ..backends import default_ops, make_ops
 
-    if backend is not None:
-        return make_ops(backend, str(device))
-    preferred = ("triton",) if device.type == "cuda" else ("core",)
-    for name in preferred:
-        try:
-            return make_ops(name, str(device))
-        except Exception:  # not built / not installed here: the next one serves
-            continue
-    return make_ops("torch", str(device))
+    return make_ops(backend, str(device)) if backend is not None else default_ops(device)
 
 
 @dataclasses.dataclass
@@ -134,7 +125,7 @@ class PnMixLayer(CacheLayerMixin):
         self.ops = choose_ops(self.device, self.backend)
         capacity = self.max_cache_len or self._rounded(n + GROWTH_HEADROOM)
         self.packed = PackedKVCache(self.config, kv_heads, head_dim, capacity, batch=batch,
-                                    device=self.device, append_fn=self.ops.append)
+                                    device=self.device, ops=self.ops)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
@@ -219,10 +210,14 @@ class PnMixLayer(CacheLayerMixin):
         self._select_rows(indices)
 
     # ---- bytes ---------------------------------------------------------------------------
-    def persistent_bytes(self) -> dict:
+    # The same two as PnMixCache's: persistent_bytes an int, bytes_by_part the split.
+    def bytes_by_part(self) -> dict:
         if self.packed is None:
             return {"key_bytes": 0, "value_bytes": 0, "persistent_cache_bytes": 0}
         return self.packed.persistent_bytes()
+
+    def persistent_bytes(self) -> int:
+        return self.bytes_by_part()["persistent_cache_bytes"]
 
     def allocated_bytes(self) -> int:
         if self.packed is None:
@@ -243,25 +238,13 @@ class PnMixLayer(CacheLayerMixin):
         if self.max_cache_len is not None:
             raise PnMixError(f"PnMixCache is full: {packed.seq_len} + {n} tokens > max_cache_len {self.max_cache_len}")
         capacity = self._rounded(max(need, 2 * packed.layout.max_seq_len))
-        self.packed = self._copy_into(capacity, packed.layout.batch, rows=None)
-
-    def _copy_into(self, capacity: int, batch: int, rows: Optional[torch.Tensor]) -> PackedKVCache:
-        old = self.packed
-        new = PackedKVCache(self.config, old.layout.kv_heads, old.layout.head_dim, capacity, batch=batch,
-                            device=self.device, append_fn=self.ops.append)
-        for name in STATE_NAMES:
-            source = old.state[name] if rows is None else old.state[name].index_select(0, rows)
-            # Only the group dimension differs between capacities: copy the common corner.
-            new.state[name][tuple(slice(0, s) for s in source.shape)] = source
-        new.seq_len = old.seq_len
-        new.saliency_computations = old.saliency_computations
-        return new
+        self.packed = packed.resized(capacity)
 
     def _select_rows(self, rows: torch.Tensor) -> None:
         if self.packed is None:
             return
         rows = rows.to(self.device)
-        self.packed = self._copy_into(self.packed.layout.max_seq_len, int(rows.numel()), rows)
+        self.packed = self.packed.resized(self.packed.layout.max_seq_len, rows)
         self.batch_size = int(rows.numel())
 
     def _check_positions(self, forward_kwargs: Any) -> None:
@@ -312,13 +295,13 @@ class PnMixCache(Cache):
 
     def persistent_bytes(self) -> int:
         """Bytes the cache holds: the used part of every layer's packed state (SPEC section 2)."""
-        return sum(layer.persistent_bytes()["persistent_cache_bytes"] for layer in self.layers)
+        return sum(layer.persistent_bytes() for layer in self.layers)
 
     def bytes_by_part(self) -> dict:
         """key_bytes, value_bytes and persistent_cache_bytes summed over layers."""
         total = {"key_bytes": 0, "value_bytes": 0, "persistent_cache_bytes": 0}
         for layer in self.layers:
-            for name, value in layer.persistent_bytes().items():
+            for name, value in layer.bytes_by_part().items():
                 total[name] += value
         return total
 

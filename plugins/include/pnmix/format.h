@@ -2,7 +2,9 @@
 //
 // Sizes (section 1), the closed-form schedule (section 2), state tensor shapes (section 3),
 // LSB-first bit streams (3.1), the pair mask and per-channel key bits (3.2, 3.3), and the
-// config checks a reader must make (SPEC section 1). Everything is inline and allocation-free.
+// config checks a reader must make (section 1.1). The facts Python owns (field names, limits,
+// state tensors, the .pnkv header) come from generated.h. Everything is inline and
+// allocation-free.
 #ifndef PNMIX_FORMAT_H
 #define PNMIX_FORMAT_H
 
@@ -68,8 +70,10 @@ PNMIX_HD inline int64_t max_groups(const pnmix_layout& L) {
 // Name of state tensor i, as pnmix/format.py STATE_NAMES (ONNX input names; messages).
 inline const char* state_name(int i) {
   static const char* const kNames[PNMIX_NUM_STATE] = {
-      "sink_k", "sink_v", "residual_k", "residual_v", "key_codes", "key_step",
-      "key_offset", "value_codes", "value_step", "value_offset", "pair_mask"};
+#define PNMIX_X(index, NAME, name, elem_bytes, type) #name,
+      PNMIX_STATE_TENSORS(PNMIX_X)
+#undef PNMIX_X
+  };
   return (i >= 0 && i < PNMIX_NUM_STATE) ? kNames[i] : "?";
 }
 
@@ -107,9 +111,15 @@ inline StateView<Writable> state_view(void* const* data) {
   return v;
 }
 
-// Element size in bytes of state tensor i (fp16 = 2, codes and mask = 1).
+// Element size in bytes of state tensor i (fp16 = 2, codes and mask = 1; format.STATE_DTYPES).
 PNMIX_HD inline int64_t state_elem_bytes(int i) {
-  return (i == PNMIX_KEY_CODES || i == PNMIX_VALUE_CODES || i == PNMIX_PAIR_MASK) ? 1 : 2;
+  switch (i) {
+#define PNMIX_X(index, NAME, name, elem_bytes, type) \
+  case index: return elem_bytes;
+    PNMIX_STATE_TENSORS(PNMIX_X)
+#undef PNMIX_X
+    default: return 0;
+  }
 }
 
 // Shape of state tensor i with `groups` group slots, and the leading dims per sequence/head:
@@ -168,26 +178,25 @@ PNMIX_HD inline int64_t persistent_bytes(const pnmix_layout& L, int64_t seq_len)
   return total;
 }
 
-// ---- config checks (SPEC section 1; messages name the field like pnmix/config.py) ----------
+// ---- config checks (docs/FORMAT.md 1.1; messages name the field like pnmix/config.py) -------
 
-// nullptr when valid, else a static one-line reason.
+// v > limit for any integer v (a function, so a bound equal to the type's own limit is no
+// "always false" comparison for the compiler to warn about).
+PNMIX_HD inline bool exceeds(int64_t v, int64_t limit) { return v > limit; }
+
+// nullptr when valid, else a static one-line reason. The integer ranges are generated.h's
+// (config.INT_FIELD_RANGES); the rules between fields follow them.
 PNMIX_HD inline const char* config_error(const pnmix_config& c) {
   if (!(c.high_ratio >= 0.0 && c.high_ratio <= 1.0)) return "config field 'high_ratio' must be in [0, 1]";
-  if (c.group_size < 8 || c.group_size % 8) return "config field 'group_size' must be a positive multiple of 8";
-  if (c.group_size > PNMIX_MAX_TOKENS_FIELD)
-    return "config field 'group_size' must be <= " PNMIX_STR(PNMIX_MAX_TOKENS_FIELD);
+#define PNMIX_X(name, lo, hi)                                                      \
+  if (exceeds(lo, c.name)) return "config field '" #name "' must be >= " #lo; \
+  if (exceeds(c.name, hi)) return "config field '" #name "' must be <= " #hi;
+  PNMIX_CONFIG_INT_RANGES(PNMIX_X)
+#undef PNMIX_X
+  if (c.group_size % 8) return "config field 'group_size' must be a positive multiple of 8";
   if (c.residual_size < c.group_size) return "config field 'residual_size' must be >= group_size";
-  if (c.residual_size > PNMIX_MAX_TOKENS_FIELD)
-    return "config field 'residual_size' must be <= " PNMIX_STR(PNMIX_MAX_TOKENS_FIELD);
-  if (c.sink_tokens < 0) return "config field 'sink_tokens' must be >= 0";
-  if (c.sink_tokens > PNMIX_MAX_TOKENS_FIELD)
-    return "config field 'sink_tokens' must be <= " PNMIX_STR(PNMIX_MAX_TOKENS_FIELD);
-  if (c.value_bits < 1 || c.value_bits > 8) return "config field 'value_bits' must be 1..8";
-  if (c.value_group_size < 1) return "config field 'value_group_size' must be >= 1";
-  if (c.pair_layout != PNMIX_PAIR_ADJACENT && c.pair_layout != PNMIX_PAIR_HALF)
+  if (c.pair_layout < 0 || c.pair_layout >= PNMIX_NUM_PAIR_LAYOUTS)
     return "config field 'pair_layout' must be 0 (adjacent) or 1 (half)";
-  if (c.key_high_bits < 1 || c.key_high_bits > 8) return "config field 'key_high_bits' must be 1..8";
-  if (c.key_low_bits < 1 || c.key_low_bits > 8) return "config field 'key_low_bits' must be 1..8";
   return nullptr;
 }
 

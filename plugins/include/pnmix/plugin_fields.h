@@ -45,8 +45,6 @@ typedef struct pnmix_field {
   int32_t length; /* number of elements of `type` at data */
 } pnmix_field;
 
-#define PNMIX_NUM_CONFIG_FIELDS 9
-
 /* Storage behind a serialized field collection: the fields point into this struct. */
 typedef struct pnmix_field_storage {
   double high_ratio;
@@ -61,12 +59,12 @@ typedef struct pnmix_field_storage {
 
 namespace pnmix {
 
-// The plugins' identity; the exporter's nodes carry the same op types and attributes
-// (tests/test_trt_fields.py checks them against export/ops.py).
-constexpr const char* kPluginVersion = "1";
-constexpr const char* kPluginNamespace = "";  // export/ops.py PLUGIN_NAMESPACE
-constexpr const char* kAttentionPluginName = "PnMixAttention";
-constexpr const char* kAppendPluginName = "PnMixAppend";
+// The plugins' identity (generated.h, from export/ops.py): the exporter's nodes carry the same op
+// types and attributes.
+constexpr const char* kPluginVersion = PNMIX_PLUGIN_VERSION;
+constexpr const char* kPluginNamespace = PNMIX_PLUGIN_NAMESPACE;
+constexpr const char* kAttentionPluginName = PNMIX_ATTENTION_PLUGIN_NAME;
+constexpr const char* kAppendPluginName = PNMIX_APPEND_PLUGIN_NAME;
 
 // Longest field name or pair_layout string we ever compare (bounds every scan).
 constexpr int kMaxFieldChars = 64;
@@ -79,21 +77,33 @@ struct FieldSpec {
   int32_t pnmix_config::*member;  // the int32 member it fills (kInt, kLayout); high_ratio is the double
 };
 
+// Each generated field kind as a FieldKind and a member pointer (high_ratio, the double, has none).
+#define PNMIX_SPEC_RATIO(name) {#name, FieldKind::kRatio, nullptr}
+#define PNMIX_SPEC_INT(name) {#name, FieldKind::kInt, &pnmix_config::name}
+#define PNMIX_SPEC_LAYOUT(name) {#name, FieldKind::kLayout, &pnmix_config::name}
+
 // pnmix/config.py CONFIG_FIELDS, in its order (the pnmix_config struct's order too).
 constexpr FieldSpec kConfigFields[PNMIX_NUM_CONFIG_FIELDS] = {
-    {"high_ratio", FieldKind::kRatio, nullptr},
-    {"group_size", FieldKind::kInt, &pnmix_config::group_size},
-    {"residual_size", FieldKind::kInt, &pnmix_config::residual_size},
-    {"sink_tokens", FieldKind::kInt, &pnmix_config::sink_tokens},
-    {"value_bits", FieldKind::kInt, &pnmix_config::value_bits},
-    {"value_group_size", FieldKind::kInt, &pnmix_config::value_group_size},
-    {"pair_layout", FieldKind::kLayout, &pnmix_config::pair_layout},
-    {"key_high_bits", FieldKind::kInt, &pnmix_config::key_high_bits},
-    {"key_low_bits", FieldKind::kInt, &pnmix_config::key_low_bits},
+#define PNMIX_X(name, kind) PNMIX_SPEC_##kind(name),
+    PNMIX_CONFIG_FIELDS(PNMIX_X)
+#undef PNMIX_X
+};
+#undef PNMIX_SPEC_RATIO
+#undef PNMIX_SPEC_INT
+#undef PNMIX_SPEC_LAYOUT
+
+// The pair_layout strings, indexed by their codes (PNMIX_PAIR_ADJACENT, PNMIX_PAIR_HALF).
+constexpr const char* kPairLayoutNames[PNMIX_NUM_PAIR_LAYOUTS] = {
+#define PNMIX_X(code, NAME, name) name,
+    PNMIX_PAIR_LAYOUTS(PNMIX_X)
+#undef PNMIX_X
 };
 
-// The pair_layout strings, indexed by PNMIX_PAIR_ADJACENT / PNMIX_PAIR_HALF.
-constexpr const char* kPairLayoutNames[2] = {"adjacent", "half"};
+// The name of a pair_layout code (the first layout for a code out of range: config_error refuses
+// those before anything is serialized or printed).
+inline const char* pair_layout_name(int32_t code) {
+  return kPairLayoutNames[(code >= 0 && code < PNMIX_NUM_PAIR_LAYOUTS) ? code : 0];
+}
 
 namespace detail {
 
@@ -171,7 +181,7 @@ inline bool read_layout(const pnmix_field& f, int32_t* out, char* err, size_t er
   const char* text = (const char*)f.data;
   size_t n = (size_t)f.length;
   if (n > 0 && text[n - 1] == '\0') --n;
-  for (int32_t code = 0; code < 2; ++code) {
+  for (int32_t code = 0; code < PNMIX_NUM_PAIR_LAYOUTS; ++code) {
     if (strlen(kPairLayoutNames[code]) == n && memcmp(kPairLayoutNames[code], text, n) == 0) {
       *out = code;
       return true;
@@ -182,7 +192,7 @@ inline bool read_layout(const pnmix_field& f, int32_t* out, char* err, size_t er
   shown[n] = '\0';
   for (size_t i = 0; i < n; ++i)
     if ((unsigned char)shown[i] < 0x20 || (unsigned char)shown[i] > 0x7e) shown[i] = '?';
-  return fail(err, err_len, "plugin field 'pair_layout' must be adjacent or half, got '%s'", shown);
+  return fail(err, err_len, "plugin field 'pair_layout' must be one of " PNMIX_PAIR_LAYOUT_LIST ", got '%s'", shown);
 }
 
 inline size_t element_bytes(int32_t type) {
@@ -256,7 +266,7 @@ inline void serialize_config_fields(const pnmix_config& config, pnmix_field_stor
   storage->high_ratio = config.high_ratio;
   for (int i = 0; i < PNMIX_NUM_CONFIG_FIELDS; ++i)
     if (kConfigFields[i].member != nullptr) storage->ints[i] = config.*kConfigFields[i].member;
-  const char* layout = kPairLayoutNames[config.pair_layout == PNMIX_PAIR_HALF ? 1 : 0];
+  const char* layout = pair_layout_name(config.pair_layout);
   memcpy(storage->pair_layout, layout, strlen(layout) + 1);
   for (int i = 0; i < PNMIX_NUM_CONFIG_FIELDS; ++i) {
     pnmix_field& f = storage->fields[i];

@@ -47,10 +47,15 @@ typedef struct pnmix_state {
 PNMIX_API int pnmix_core_abi_version(void);
 PNMIX_API const char* pnmix_last_error(void);
 
-/* One of params.h's limits by name ("max_tokens_field", "max_int_field", "max_batch", "max_kv_heads",
+/* One of generated.h's limits by name ("max_tokens_field", "max_int_field", "max_batch", "max_kv_heads",
  * "max_head_dim", "max_seq_len", "max_state_tensor_bytes", "dump_slack_bytes"); -1 for an unknown
  * name. Lets tests check pnmix/config.py states the same numbers. */
 PNMIX_API int64_t pnmix_core_limit(const char* name);
+
+/* The compiled layout of the ABI's structs: offsetof(type, field) for a field of "pnmix_config",
+ * "pnmix_layout" or "pnmix_state", sizeof(type) when field is null or ""; -1 for an unknown name.
+ * Lets a binding (pnmix/backends/native.py) check its mirror against what the compiler made. */
+PNMIX_API int64_t pnmix_core_struct_offset(const char* type, const char* field);
 
 /* Check a layout; fill nbytes[11] with the capacity size of each state buffer. */
 PNMIX_API int pnmix_state_bytes(const pnmix_layout* layout, int64_t nbytes[PNMIX_NUM_STATE]);

@@ -31,10 +31,12 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from .errors import PnMixError, one_line
+from ...errors import PnMixError, one_line
 
 PLUGIN_LIBRARY = "libpnmix_trt_plugins.so"
-ORDER_INPUT_NOTE = "ordering input: the append runs after the attention (its data is not read)"
+# The engine's precision, recorded in its description: strongly typed, so always the file's types
+# (there are no precision flags: TensorRT may not pick other types in a strongly typed network).
+PRECISION = "fp16 K/V and cache, fp32 attention (strongly typed, from the ONNX file)"
 DECODE_PROFILE, PREFILL_PROFILE = 0, 1
 SIDECAR_FORMAT = "pnmix-engine-1"
 # Fields of the description besides format/config/capacity/batch/seed/profiles: informational,
@@ -98,7 +100,7 @@ def check_plugin_path(plugins: Optional[Path]) -> Path:
 
 def load_plugins(trt, plugins: Path) -> None:
     """Load the library into TensorRT's plugin registry and check both creators are there."""
-    from .export import ops
+    from ...export import ops
 
     registry = trt.get_plugin_registry()
     try:
@@ -123,7 +125,7 @@ def load_plugins(trt, plugins: Path) -> None:
 def read_onnx(path: Path):
     """The exported file, checked by the exporter's loader (format, external-data locations,
     pn-mix interface): (model, pnmix.export.modelfile.ModelInfo)."""
-    from .export.modelfile import load_checked
+    from ...export.modelfile import load_checked
 
     return load_checked(Path(path))
 
@@ -132,7 +134,7 @@ def prepare_onnx(model):
     """The model TensorRT's parser gets: no pn-mix local functions, append ordered after attention."""
     import onnx
 
-    from .export import ops
+    from ...export import ops
 
     prepared = onnx.ModelProto()
     prepared.CopyFrom(model)
@@ -190,17 +192,6 @@ def _network_flags(trt) -> int:
     return 0 if flag is None else 1 << int(flag)
 
 
-def _precision_note(fp16: bool, bf16: bool) -> str:
-    if fp16 and bf16:
-        raise PnMixError("give at most one of --fp16 and --bf16")
-    if bf16:
-        raise PnMixError(
-            "--bf16: a pn-mix engine is strongly typed and keeps the ONNX file's types, whose K/V and "
-            "cache are fp16 (docs/FORMAT.md); there is no bf16 pn-mix export"
-        )
-    return "fp16 K/V and cache, fp32 attention (strongly typed, from the ONNX file)"
-
-
 def profile_shapes(capacity: int, batch: int, max_prefill: Optional[int]) -> List[Dict[str, Tuple[Tuple[int, ...], ...]]]:
     """(min, opt, max) of ``tokens`` per profile: decode n = 1, prefill n = 1 .. max_prefill."""
     largest = capacity if max_prefill is None else max_prefill
@@ -225,14 +216,12 @@ def _add_profiles(trt, builder, network, config, shapes, capacity: int) -> None:
         config.add_optimization_profile(profile)
 
 
-def build_engine(model: Path, plugins: Path, output: Path, fp16: bool = False, bf16: bool = False,
-                 max_seq_len: Optional[int] = None) -> Dict[str, Any]:
+def build_engine(model: Path, plugins: Path, output: Path, max_seq_len: Optional[int] = None) -> Dict[str, Any]:
     """Build and write the engine and its sidecar; returns the sidecar's content."""
-    from .io import check_output_path, write_described_atomic
+    from ...io import check_output_path, write_described_atomic
 
     plugins = check_plugin_path(plugins)
     check_output_path(output)  # before the build, not after it
-    precision = _precision_note(fp16, bf16)
     onnx_model, info = read_onnx(model)
     shapes = profile_shapes(info.max_seq_len, info.batch, max_seq_len)
     prepared = prepare_onnx(onnx_model).SerializeToString()
@@ -264,7 +253,7 @@ def build_engine(model: Path, plugins: Path, output: Path, fp16: bool = False, b
         "capacity": info.max_seq_len,
         "batch": info.batch,
         "seed": info.seed,
-        "precision": precision,
+        "precision": PRECISION,
         "refittable": True,
         "profiles": {"decode": DECODE_PROFILE, "prefill": PREFILL_PROFILE,
                      "max_prefill": shapes[PREFILL_PROFILE]["tokens"][2][1]},
@@ -301,9 +290,9 @@ def read_sidecar(plan: Path) -> Dict[str, Any]:
 
 
 def _check_sidecar(data: Dict[str, Any]) -> None:
-    from .config import CONFIG_FIELDS, PnMixConfig
-    from .format import CacheLayout
-    from .model import HEAD_DIM, KV_HEADS, SEED_RANGE
+    from ...config import CONFIG_FIELDS, PnMixConfig
+    from ...format import CacheLayout
+    from ...model import HEAD_DIM, KV_HEADS, SEED_RANGE
 
     known = {"format", "config", "capacity", "batch", "seed", "profiles", *SIDECAR_NOTES}
     unknown = sorted(set(data) - known)
@@ -341,10 +330,9 @@ def _need_int(fields: Dict[str, Any], name: str, lo: int, hi: Optional[int] = No
         raise PnMixError(f"field '{prefix}{name}' must be an integer {allowed}, got {value!r}")
 
 
-def build_engine_command(model: Path, plugins: Path, output: Path, fp16: bool = False, bf16: bool = False,
-                         max_seq_len: Optional[int] = None) -> int:
+def build_engine_command(model: Path, plugins: Path, output: Path, max_seq_len: Optional[int] = None) -> int:
     """`pnmix build-engine`: returns the exit code (errors are PnMixError, exit 2)."""
-    sidecar = build_engine(model, plugins, output, fp16, bf16, max_seq_len)
+    sidecar = build_engine(model, plugins, output, max_seq_len)
     print(f"wrote {output} (TensorRT {sidecar['tensorrt_version']}, capacity {sidecar['capacity']} tokens, "
           f"batch {sidecar['batch']}, prefill up to {sidecar['profiles']['max_prefill']} tokens, "
           f"{sidecar['precision']}) and {sidecar_path(output)}")

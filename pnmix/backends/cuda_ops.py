@@ -21,12 +21,12 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from ._native import NativeLibraryError, load_library
-from .backends.base import CacheOps
-from .backends.core_ops import CState, c_layout
-from .cache import check_new_kv, check_queries
-from .errors import PnMixError
-from .format import STATE_DTYPES, STATE_NAMES, CacheLayout
+from .._native import NativeLibraryError
+from ..cache import CacheOps, check_new_kv, check_queries
+from ..errors import PnMixError
+from ..format import CacheLayout
+from . import native
+from .native import INT as _INT, I64 as _I64, PTR as _PTR, CState, c_layout, nbytes as _nbytes, ptr as _ptr
 
 LIBRARY = "pnmix_cuda"
 ABI_VERSION = 1
@@ -35,7 +35,6 @@ QUERY_DTYPES = {torch.float16: 0, torch.bfloat16: 1}
 
 State = Dict[str, torch.Tensor]
 
-_I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
     "pnmix_cuda_abi_version": ([], _INT),
     "pnmix_cuda_last_error": ([], ctypes.c_char_p),
@@ -46,20 +45,12 @@ _SIGNATURES = {
                            _PTR, _I64, _PTR], _INT),
     "pnmix_cuda_attend_bytes_read": ([_PTR, _I64, _I64, _I64, _I64, _INT, _PTR], _INT),
 }
+__all__ = ["CState", "CudaOps", "bench_factory", "bytes_read", "c_layout", "cuda_library", "library_status"]
 
 
 def cuda_library() -> ctypes.CDLL:
     """libpnmix_cuda with its prototypes set; NativeLibraryError when it is not built."""
-    lib = load_library(LIBRARY)
-    if not getattr(lib, "_pnmix_ready", False):
-        for name, (args, result) in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = args, result
-        version = lib.pnmix_cuda_abi_version()
-        if version != ABI_VERSION:
-            raise PnMixError(f"libpnmix_cuda ABI version {version}, this pnmix needs {ABI_VERSION}: rebuild it")
-        lib._pnmix_ready = True
-    return lib
+    return native.bind_library(LIBRARY, _SIGNATURES, "pnmix_cuda_abi_version", ABI_VERSION)
 
 
 def library_status() -> Tuple[bool, str]:
@@ -72,8 +63,7 @@ def library_status() -> Tuple[bool, str]:
 
 
 def check(lib: ctypes.CDLL, status: int) -> None:
-    if status != 0:
-        raise PnMixError(f"pnmix cuda: {lib.pnmix_cuda_last_error().decode(errors='replace')}")
+    native.check_status(status, "pnmix cuda", lib.pnmix_cuda_last_error)
 
 
 # ---------------------------------------------------------------------------------------
@@ -90,32 +80,16 @@ def _device_of(state: State) -> torch.device:
 
 def c_state(state: State, device: torch.device) -> CState:
     """The state tensors as device buffers: on `device`, contiguous, of the format's dtype."""
-    out = CState()
-    for i, name in enumerate(STATE_NAMES):
-        t = state.get(name)
-        if t is None:
-            raise PnMixError(f"cache state is missing tensor '{name}'")
-        if t.device != device:
-            raise PnMixError(f"state tensor '{name}' is on {t.device}, the cache is on {device}")
-        if t.dtype != STATE_DTYPES[name] or not t.is_contiguous():
-            raise PnMixError(f"state tensor '{name}' must be a contiguous {STATE_DTYPES[name]} tensor, got {t.dtype}")
-        out.data[i] = t.data_ptr() if t.numel() else None
-        out.nbytes[i] = t.numel() * t.element_size()
-    return out
+    def elsewhere(name: str, t: torch.Tensor):
+        return None if t.device == device else f"state tensor '{name}' is on {t.device}, the cache is on {device}"
+
+    return native.c_state(state, elsewhere)
 
 
 def _on(t: torch.Tensor, device: torch.device, dtype: torch.dtype, what: str) -> torch.Tensor:
     if t.device != device:
         raise PnMixError(f"{what} is on {t.device}, the cache is on {device}")
     return t.to(dtype).contiguous()
-
-
-def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
-    return None if t is None or t.numel() == 0 else t.data_ptr()
-
-
-def _nbytes(t: Optional[torch.Tensor]) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
 
 
 def _stream(device: torch.device) -> int:

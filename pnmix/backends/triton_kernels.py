@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .errors import PnMixError
-from .format import CacheLayout
+from ..errors import PnMixError
+from ..format import CacheLayout
 
 # 2**23: for 0 <= y < 2**23, (y + 2**23) - 2**23 is y rounded half to even in fp32 (the ulp of
 # numbers in [2**23, 2**24) is 1). libdevice.rint would do the same but the interpreter lacks it.
@@ -214,7 +214,7 @@ def value_pack_kernel(
 
 # ---------------------------------------------------------------------------------------
 # Launchers for the group quantizers: the signatures of pnmix.reference's, so that
-# cache.append_reference can take either (see pnmix.backends.triton_ops.GroupKernels)
+# cache.append_reference can take either (see pnmix.backends.triton_ops.group_kernels)
 # ---------------------------------------------------------------------------------------
 
 

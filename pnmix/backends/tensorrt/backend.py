@@ -1,6 +1,6 @@
 """The TensorRT engine as a backend: `pnmix verify --engine model.plan --plugins libpnmix_trt_plugins.so`.
 
-The engine runs the whole diagnostic model (pnmix/trt.py builds it from the exported ONNX file).
+The engine runs the whole diagnostic model (engine.py beside it builds it from the exported ONNX file).
 The packed state lives in torch CUDA tensors for the whole run; each step binds ``<name>`` and
 ``present_<name>`` to the same address, so the append plugin updates the cache in place and no
 state byte is copied between steps. Decode steps (n = 1) run in an execution context on the
@@ -17,12 +17,12 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .. import trt as trt_build
-from ..config import PnMixConfig
-from ..errors import PnMixError
-from ..format import STATE_NAMES, CacheLayout
-from ..model import HEAD_DIM, KV_HEADS
-from .base import Backend, State
+from .engine import DECODE_PROFILE, PREFILL_PROFILE, check_plugin_path, import_tensorrt, load_plugins, read_sidecar, require_gpu
+from ...config import PnMixConfig
+from ...errors import PnMixError
+from ...format import STATE_NAMES, CacheLayout
+from ...model import HEAD_DIM, KV_HEADS
+from ..base import Backend, State
 
 
 class TrtBackend(Backend):
@@ -36,7 +36,7 @@ class TrtBackend(Backend):
         plan = Path(plan)
         if not plan.is_file():
             raise PnMixError(f"TensorRT engine not found: {plan}")
-        described = trt_build.read_sidecar(plan)
+        described = read_sidecar(plan)
         built_for = PnMixConfig.from_mapping(described["config"])
         if built_for != config:
             raise PnMixError(f"the engine was built for config {built_for.to_dict()}, this run uses "
@@ -46,12 +46,12 @@ class TrtBackend(Backend):
         self.max_prefill = int(described["profiles"]["max_prefill"])
         if max_seq_len > self.capacity:
             raise PnMixError(f"the protocol needs {max_seq_len} tokens, the engine's cache holds {self.capacity}")
-        plugins = trt_build.check_plugin_path(plugins)
-        trt = trt_build.import_tensorrt()
-        trt_build.require_gpu()
+        plugins = check_plugin_path(plugins)
+        trt = import_tensorrt()
+        require_gpu()
         if not device.startswith("cuda") or not torch.cuda.is_available():
             raise PnMixError("the engine backend keeps the cache in torch CUDA tensors; this torch sees no CUDA device")
-        trt_build.load_plugins(trt, plugins)
+        load_plugins(trt, plugins)
         self.trt = trt
         self.torch_device = torch.device(device)
         self.logger = trt.Logger(trt.Logger.WARNING)
@@ -63,14 +63,14 @@ class TrtBackend(Backend):
             self._refit(seed)
         self.stream = torch.cuda.Stream(self.torch_device)
         self.contexts = {profile: self._context(profile) for profile in
-                         (trt_build.DECODE_PROFILE, trt_build.PREFILL_PROFILE)}
+                         (DECODE_PROFILE, PREFILL_PROFILE)}
         self.layout = CacheLayout(config, self.batch, KV_HEADS, HEAD_DIM, self.capacity)
         self.cache: State = self.layout.empty_state(self.torch_device)
         self.seq_len = 0
 
     # ---- set-up ------------------------------------------------------------------------------
     def _refit(self, seed: int) -> None:
-        from ..export.exporter import WEIGHT_NAMES, seed_weights
+        from ...export.exporter import WEIGHT_NAMES, seed_weights
 
         trt = self.trt
         if not self.engine.refittable:
@@ -110,7 +110,7 @@ class TrtBackend(Backend):
         new_len = n if write else 0
         if self.seq_len + new_len > self.capacity:
             raise PnMixError(f"cache capacity exceeded: {self.seq_len} + {new_len} tokens > {self.capacity}")
-        profile = trt_build.DECODE_PROFILE if n == 1 else trt_build.PREFILL_PROFILE
+        profile = DECODE_PROFILE if n == 1 else PREFILL_PROFILE
         if n > self.max_prefill:
             raise PnMixError(f"{n} tokens in one call, the engine's prefill profile takes at most {self.max_prefill}")
         context = self.contexts[profile]

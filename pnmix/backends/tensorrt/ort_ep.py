@@ -8,7 +8,7 @@ copies their local functions into that domain, so a node TensorRT does not claim
 through its function body); ``trt_session`` builds the session. Runs only where TensorRT and a
 GPU exist; elsewhere it stops with a one-line error that says what is missing.
 
-    python3 -m pnmix.export.trt_ep model.onnx -o model.trt.onnx
+    python3 -m pnmix.backends.tensorrt.ort_ep model.onnx -o model.trt.onnx
 """
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ from typing import Any, Dict, Optional
 import onnx
 from onnx import helper
 
-from pnmix.errors import PnMixError, one_line
-
-from . import ops
+from ...errors import PnMixError, one_line
+from ...export import ops
 
 TRT_DOMAIN = "trt.plugins"
 TRT_PROVIDER = "TensorrtExecutionProvider"
@@ -51,9 +50,8 @@ def to_trt_plugins(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def rewrite_file(source: Path, target: Path) -> Path:
-    from pnmix.io import write_bytes_atomic
-
-    from .modelfile import load_checked
+    from ...export.modelfile import load_checked
+    from ...io import write_bytes_atomic
 
     model, _ = load_checked(source)
     return write_bytes_atomic(target, to_trt_plugins(model).SerializeToString())
@@ -85,7 +83,7 @@ def trt_session(model_path: Path, plugin_lib: Path, fp16: bool = False, cache_di
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m pnmix.export.trt_ep",
+    parser = argparse.ArgumentParser(prog="python3 -m pnmix.backends.tensorrt.ort_ep",
                                      description="Rewrite the pn-mix nodes to domain trt.plugins.")
     parser.add_argument("model", type=Path)
     parser.add_argument("-o", "--output", type=Path, required=True)

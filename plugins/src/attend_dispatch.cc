@@ -1,0 +1,259 @@
+// libpnmix_core: pnmix_attend (pnmix_core.h): the checks, the choice of kernel by instruction set
+// (cpuid; pnmix_set_attend_isa forces one), the work split over threads and the merge of the
+// splits. The kernels themselves are attend_*.cc (attend_kernel.inc).
+#include <math.h>
+#include <string.h>
+
+#include <atomic>
+#include <exception>
+#include <vector>
+
+#if defined(PNMIX_HAVE_X86_KERNELS)
+#include <cpuid.h>
+#endif
+
+#include "attend.h"
+#include "core_internal.h"
+#include "pnmix/format.h"
+#include "pnmix/half.h"
+#include "pool.h"
+
+namespace pnmix {
+namespace core {
+namespace {
+
+typedef void (*ItemFn)(const AttendJob&, int64_t);
+
+enum class Isa { kAuto, kScalar, kAvx2, kAvx512, kAvx512Vbmi };
+Isa forced_isa = Isa::kAuto;
+
+// F16C from cpuid leaf 1 (not every compiler's __builtin_cpu_supports knows "f16c"); the OS's
+// saving of the AVX registers is covered by the "avx2" check.
+bool cpu_has_f16c() {
+#if defined(PNMIX_HAVE_X86_KERNELS)
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C);
+#else
+  return false;
+#endif
+}
+
+bool cpu_has_avx2() {
+#if defined(PNMIX_HAVE_X86_KERNELS)
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && cpu_has_f16c();
+#else
+  return false;
+#endif
+}
+
+bool cpu_has_avx512() {
+#if defined(PNMIX_HAVE_X86_KERNELS)
+  return cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+#else
+  return false;
+#endif
+}
+
+bool cpu_has_avx512vbmi() {
+#if defined(PNMIX_HAVE_X86_KERNELS)
+  return cpu_has_avx512() && __builtin_cpu_supports("avx512vbmi");
+#else
+  return false;
+#endif
+}
+
+Isa best_isa() {
+  if (forced_isa != Isa::kAuto) return forced_isa;
+  if (cpu_has_avx512vbmi()) return Isa::kAvx512Vbmi;
+  if (cpu_has_avx512()) return Isa::kAvx512;
+  if (cpu_has_avx2()) return Isa::kAvx2;
+  return Isa::kScalar;
+}
+
+const char* isa_name(Isa isa) {
+  return isa == Isa::kAvx512Vbmi ? "avx512vbmi" : isa == Isa::kAvx512 ? "avx512" : isa == Isa::kAvx2 ? "avx2" : "scalar";
+}
+
+ItemFn item_function(const pnmix_layout& L) {
+  Isa isa = best_isa();
+#if defined(PNMIX_HAVE_X86_KERNELS)
+  const bool wide = isa == Isa::kAvx512 || isa == Isa::kAvx512Vbmi;
+  if (wide && L.config.group_size % 16) isa = Isa::kAvx2;  // 16-token chunks need gs % 16
+  if (isa == Isa::kAvx512Vbmi) return attend_item_avx512vbmi;
+  if (isa == Isa::kAvx512) return attend_item_avx512;
+  if (isa == Isa::kAvx2) return attend_item_avx2;
+#else
+  (void)L;
+  (void)isa;
+#endif
+  return attend_item_generic;
+}
+
+struct AttendRun {
+  const AttendJob* job;
+  ItemFn fn;
+  std::atomic<bool> failed{false};  // scratch allocation failed in some thread
+};
+
+void run_item(void* ctx, int64_t item) {
+  AttendRun& run = *static_cast<AttendRun*>(ctx);
+  try {
+    run.fn(*run.job, item);
+  } catch (const std::exception&) {  // never let an exception cross the C ABI or kill a worker
+    run.failed = true;
+  }
+}
+
+// Combine the splits of each (sequence, KV head) and query row: log-sum-exp of partial softmaxes.
+void merge_splits(const AttendJob& job, float* out) {
+  const int64_t D = job.L.head_dim, M = job.rows, ps = partial_stride(job), H = job.L.kv_heads;
+  for (int64_t bh = 0; bh < job.L.batch * H; ++bh) {
+    const int64_t b = bh / H, h = bh % H;
+    for (int64_t r = 0; r < M; ++r) {
+      const int64_t g = r / job.nq, i = r % job.nq;
+      float* dst = out + ((b * job.q_heads + h * job.group_q + g) * job.nq + i) * D;
+      float m = -INFINITY;
+      for (int64_t s = 0; s < job.splits; ++s) {
+        const float ms = job.partial[((bh * job.splits + s) * M + r) * ps + D];
+        m = ms > m ? ms : m;
+      }
+      for (int64_t c = 0; c < D; ++c) dst[c] = 0.0f;
+      float l = 0.0f;
+      for (int64_t s = 0; s < job.splits; ++s) {
+        const float* part = job.partial + ((bh * job.splits + s) * M + r) * ps;
+        if (part[D] == -INFINITY) continue;
+        const float weight = expf(part[D] - m);
+        l += weight * part[D + 1];
+        for (int64_t c = 0; c < D; ++c) dst[c] += weight * part[c];
+      }
+      const float inv = 1.0f / l;
+      for (int64_t c = 0; c < D; ++c) dst[c] *= inv;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace core
+}  // namespace pnmix
+
+using namespace pnmix;
+using namespace pnmix::core;
+
+extern "C" {
+
+const char* pnmix_attend_isa(void) { return isa_name(best_isa()); }
+
+int pnmix_set_attend_isa(const char* name) {
+  if (!name || !strcmp(name, "auto")) {
+    forced_isa = Isa::kAuto;
+  } else if (!strcmp(name, "scalar")) {
+    forced_isa = Isa::kScalar;
+  } else if (!strcmp(name, "avx2")) {
+    if (!cpu_has_avx2()) return fail(PNMIX_ERR_CONFIG, "this CPU (or build) has no AVX2/FMA/F16C");
+    forced_isa = Isa::kAvx2;
+  } else if (!strcmp(name, "avx512")) {
+    if (!cpu_has_avx512()) return fail(PNMIX_ERR_CONFIG, "this CPU (or build) has no AVX-512F/BW/VL/DQ");
+    forced_isa = Isa::kAvx512;
+  } else if (!strcmp(name, "avx512vbmi")) {
+    if (!cpu_has_avx512vbmi()) return fail(PNMIX_ERR_CONFIG, "this CPU (or build) has no AVX-512 VBMI");
+    forced_isa = Isa::kAvx512Vbmi;
+  } else {
+    return fail(PNMIX_ERR_CONFIG, "unknown kernel '%s'; choose auto, scalar, avx2, avx512 or avx512vbmi", name);
+  }
+  return ok();
+}
+
+static int attend_impl(const pnmix_layout* layout, const pnmix_state* state, int64_t seq_len, const void* q,
+                       int q_is_fp32, int64_t q_heads, int64_t nq, int64_t q_bytes, const uint16_t* k_new,
+                       const uint16_t* v_new, int64_t n_new, int64_t new_bytes, float* out, int64_t out_bytes,
+                       int threads) {
+  if (int rc = check_layout(layout)) return rc;
+  const pnmix_layout& L = *layout;
+  if (int rc = check_state(L, state)) return rc;
+  if (int rc = check_seq_len(L, seq_len)) return rc;
+  const int64_t B = L.batch, H = L.kv_heads, D = L.head_dim;
+  if (q_heads < 1 || q_heads > 65536 || q_heads % H)
+    return fail(PNMIX_ERR_SIZE, "q_heads %lld must be a positive multiple of kv_heads %lld", (long long)q_heads,
+                (long long)H);
+  if (n_new < 0 || n_new > ((int64_t)1 << 40))
+    return fail(PNMIX_ERR_SIZE, "n_new must be in 0..2^40, got %lld", (long long)n_new);
+  const int64_t total = seq_len + n_new;
+  if (nq < 0 || nq > total)
+    return fail(PNMIX_ERR_SIZE, "nq %lld outside 0..%lld (the queries are the last positions)", (long long)nq,
+                (long long)total);
+  const int64_t q_elems = product({B, q_heads, nq, D, 4}) < 0 ? -1 : B * q_heads * nq * D;
+  if (q_elems < 0) return fail(PNMIX_ERR_SIZE, "q is too large: [B, Hq, nq, D] overflows");
+  if (q_bytes != q_elems * (q_is_fp32 ? 4 : 2))
+    return fail(PNMIX_ERR_SIZE, "q buffer has %lld bytes, [B, Hq, nq, D] %s needs %lld", (long long)q_bytes,
+                q_is_fp32 ? "fp32" : "fp16", (long long)(q_elems * (q_is_fp32 ? 4 : 2)));
+  if (product({B, H, n_new, D, 2}) < 0) return fail(PNMIX_ERR_SIZE, "n_new is too large: [B, H, n_new, D] overflows");
+  if (new_bytes != B * H * n_new * D * 2)
+    return fail(PNMIX_ERR_SIZE, "new K/V buffers have %lld bytes, [B, H, n_new, D] fp16 needs %lld",
+                (long long)new_bytes, (long long)(B * H * n_new * D * 2));
+  if (out_bytes != q_elems * 4)
+    return fail(PNMIX_ERR_SIZE, "out buffer has %lld bytes, [B, Hq, nq, D] fp32 needs %lld", (long long)out_bytes,
+                (long long)(q_elems * 4));
+  if (nq == 0) return ok();
+  if (!q || !out) return fail(PNMIX_ERR_NULL, "q or out pointer is null");
+  if (n_new && (!k_new || !v_new)) return fail(PNMIX_ERR_NULL, "k_new or v_new pointer is null");
+  if (((uintptr_t)q & (q_is_fp32 ? 3 : 1)) || ((uintptr_t)out & 3) || (((uintptr_t)k_new | (uintptr_t)v_new) & 1))
+    return fail(PNMIX_ERR_SIZE, "q, out or new K/V buffer is not aligned to its element size");
+  if (seq_len > 0)
+    if (int rc = check_pair_mask(L, buffer<const uint8_t>(state, PNMIX_PAIR_MASK), PNMIX_ERR_STATE, "state's"))
+      return rc;
+
+  thread_local std::vector<float> q32, partial;
+  if ((int64_t)q32.size() < q_elems) q32.resize(q_elems);
+  if (q_is_fp32)
+    memcpy(q32.data(), q, q_elems * 4);
+  else
+    for (int64_t i = 0; i < q_elems; ++i) q32[i] = half_to_float(static_cast<const uint16_t*>(q)[i]);
+
+  AttendJob job;
+  job.L = L;
+  job.n = lengths(L.config, seq_len);
+  job.seq_len = seq_len;
+  job.n_new = n_new;
+  job.total = total;
+  job.q_heads = q_heads;
+  job.nq = nq;
+  job.group_q = q_heads / H;
+  job.rows = job.group_q * nq;
+  job.scale = (float)(1.0 / sqrt((double)D));
+  const int nthreads = resolve_threads(threads);
+  const int64_t heads = B * H;
+  int64_t splits = (8 * nthreads + heads - 1) / heads;  // enough items for dynamic balance across threads
+  if (splits > job.n.groups) splits = job.n.groups;
+  job.splits = splits < 1 ? 1 : splits;
+  job.q = q32.data();
+  job.state = state_view<false>(state->data);
+  job.k_new = k_new;
+  job.v_new = v_new;
+  const int64_t items = heads * job.splits;
+  const int64_t partial_floats = items * job.rows * partial_stride(job);
+  if ((int64_t)partial.size() < partial_floats) partial.resize(partial_floats);
+  job.partial = partial.data();
+
+  AttendRun run;
+  run.job = &job;
+  run.fn = item_function(L);
+  parallel_for(nthreads, items, run_item, &run);
+  if (run.failed) return fail(PNMIX_ERR_INTERNAL, "out of memory for the attention scratch");
+  merge_splits(job, out);
+  return ok();
+}
+
+int pnmix_attend(const pnmix_layout* layout, const pnmix_state* state, int64_t seq_len, const void* q,
+                 int q_is_fp32, int64_t q_heads, int64_t nq, int64_t q_bytes, const uint16_t* k_new,
+                 const uint16_t* v_new, int64_t n_new, int64_t new_bytes, float* out, int64_t out_bytes,
+                 int threads) {
+  try {
+    return attend_impl(layout, state, seq_len, q, q_is_fp32, q_heads, nq, q_bytes, k_new, v_new, n_new,
+                       new_bytes, out, out_bytes, threads);
+  } catch (const std::exception& e) {
+    return fail(PNMIX_ERR_INTERNAL, "attention failed: %s", e.what());
+  }
+}
+
+}  // extern "C"

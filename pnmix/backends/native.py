@@ -1,0 +1,103 @@
+"""The ctypes glue shared by the C ABIs of libpnmix_core and libpnmix_cuda.
+
+Both libraries take the same ``pnmix_layout`` and ``pnmix_state`` structs (plugins/include/pnmix/
+params.h, pnmix_core.h), report failures as a status code plus a last-error string, and carry an
+ABI version. This module holds those structs, the binding of a library's prototypes, and the
+state tensors as C buffers; core_ops.py and cuda_ops.py add only their own entry points.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Dict, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from .._native import load_library
+from ..config import CONFIG_FIELD_TYPES, CONFIG_FIELDS, PAIR_LAYOUTS, PnMixConfig
+from ..errors import PnMixError
+from ..format import STATE_DTYPES, STATE_NAMES, CacheLayout
+
+I64, PTR, INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+# The C type of each config field's Python type (params.h: RATIO double, INT and LAYOUT int32).
+_C_TYPES = {float: ctypes.c_double, int: ctypes.c_int32, str: ctypes.c_int32}
+
+
+class CConfig(ctypes.Structure):
+    """pnmix_config (params.h): CONFIG_FIELDS in order; pair_layout as its index in PAIR_LAYOUTS.
+    tests/test_core.py checks this mirror against the compiler's layout (pnmix_core_struct_offset)."""
+
+    _fields_ = [(name, _C_TYPES[CONFIG_FIELD_TYPES[name]]) for name in CONFIG_FIELDS]
+
+
+class CLayout(ctypes.Structure):
+    _fields_ = [("config", CConfig), ("batch", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
+                ("head_dim", ctypes.c_int64), ("max_seq_len", ctypes.c_int64)]
+
+
+class CState(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p * len(STATE_NAMES)), ("nbytes", ctypes.c_int64 * len(STATE_NAMES))]
+
+
+Signatures = Mapping[str, Tuple[Sequence, object]]
+
+
+def bind_library(name: str, signatures: Signatures, version_fn: str, abi_version: int) -> ctypes.CDLL:
+    """The native library `name` with its prototypes set and its ABI version checked (once)."""
+    lib = load_library(name)
+    if not getattr(lib, "_pnmix_ready", False):
+        for fn_name, (args, result) in signatures.items():
+            fn = getattr(lib, fn_name)
+            fn.argtypes, fn.restype = list(args), result
+        version = getattr(lib, version_fn)()
+        if version != abi_version:
+            raise PnMixError(f"lib{name} ABI version {version}, this pnmix needs {abi_version}: rebuild it")
+        lib._pnmix_ready = True
+    return lib
+
+
+def check_status(status: int, what: str, last_error) -> None:
+    """A non-zero status becomes a PnMixError with the library's own message."""
+    if status != 0:
+        raise PnMixError(f"{what}: {last_error().decode(errors='replace')}")
+
+
+def c_layout(layout: CacheLayout) -> CLayout:
+    fields = layout.config.to_dict()
+    fields["pair_layout"] = PAIR_LAYOUTS.index(fields["pair_layout"])
+    return CLayout(CConfig(**fields), layout.batch, layout.kv_heads, layout.head_dim, layout.max_seq_len)
+
+
+def layout_from_c(lay: CLayout) -> CacheLayout:
+    """The CacheLayout of a C layout (its config validated by PnMixConfig)."""
+    fields = {name: getattr(lay.config, name) for name in CONFIG_FIELDS}
+    fields["pair_layout"] = PAIR_LAYOUTS[fields["pair_layout"]]
+    return CacheLayout(PnMixConfig(**fields), lay.batch, lay.kv_heads, lay.head_dim, lay.max_seq_len)
+
+
+def ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None or t.numel() == 0 else t.data_ptr()
+
+
+def nbytes(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def c_state(state: Dict[str, torch.Tensor], device_problem) -> CState:
+    """The state tensors as C buffers, each contiguous and of the format's dtype.
+
+    device_problem(name, tensor): None when the tensor is on the device the library needs, else
+    the one-line message saying where it is."""
+    out = CState()
+    for i, name in enumerate(STATE_NAMES):
+        t = state.get(name)
+        if t is None:
+            raise PnMixError(f"cache state is missing tensor '{name}'")
+        problem = device_problem(name, t)
+        if problem:
+            raise PnMixError(problem)
+        if t.dtype != STATE_DTYPES[name] or not t.is_contiguous():
+            raise PnMixError(f"state tensor '{name}' must be a contiguous {STATE_DTYPES[name]} tensor, got {t.dtype}")
+        out.data[i] = ptr(t)
+        out.nbytes[i] = nbytes(t)
+    return out

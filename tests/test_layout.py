@@ -1,0 +1,173 @@
+"""The package's shape: every module imports on its own, imports form no cycle, and dependencies
+run one way (core <- the ONNX file <- backends <- harness <- CLI, README "Layout")."""
+
+import ast
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+# (folder, the package name it is imported as): export/ is installed as pnmix.export.
+SOURCES = (("pnmix", "pnmix"), ("export", "pnmix.export"))
+
+# Layers by module-name prefix (the longest prefix wins); a module may import only its own
+# layer or a lower one. manifest reads the bundled data, so it sits with the core; codegen writes
+# the C++ header from the core and the op definitions, so it sits with export.
+LAYERS = {
+    "pnmix": 0,
+    "pnmix.export": 1, "pnmix.export.bench": 3, "pnmix.codegen": 1,
+    "pnmix.backends": 2,
+    "pnmix.protocol": 3, "pnmix.verify": 3, "pnmix.doctor": 3, "pnmix.bench": 3, "pnmix.hf": 3,
+    "pnmix.cli": 4, "pnmix.__main__": 4,
+}
+LAYER_NAMES = ("core", "the ONNX file (export)", "backends", "harness", "CLI")
+
+
+def package_modules():
+    """{module name: file} for every module of pnmix and export/."""
+    found = {}
+    for folder, prefix in SOURCES:
+        for path in sorted((REPO / folder).rglob("*.py")):
+            parts = [p for p in path.relative_to(REPO / folder).with_suffix("").parts if p != "__init__"]
+            found[".".join([prefix, *parts])] = path
+    return found
+
+
+def imported_modules(name, path, modules):
+    """The package modules `name` imports anywhere in its file (module level or inside functions)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            else:
+                base = node.module
+            for alias in node.names:  # `from pkg import sub` names the submodule when there is one
+                sub = f"{base}.{alias.name}"
+                out.add(sub if sub in modules else base)
+    return {m for m in out if m in modules and m != name}
+
+
+def import_graph():
+    modules = package_modules()
+    return {name: imported_modules(name, path, modules) for name, path in modules.items()}
+
+
+def find_cycle(graph):
+    """One import cycle as a list of modules, or None (iterative depth-first search)."""
+    done, on_path = set(), []
+    for start in sorted(graph):
+        if start in done:
+            continue
+        stack = [(start, iter(sorted(graph[start])))]
+        on_path.append(start)
+        while stack:
+            node, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                stack.pop()
+                on_path.pop()
+                done.add(node)
+            elif child in on_path:
+                return on_path[on_path.index(child):] + [child]
+            elif child not in done:
+                stack.append((child, iter(sorted(graph[child]))))
+                on_path.append(child)
+    return None
+
+
+def layer_of(module):
+    prefix = max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len)
+    return LAYERS[prefix]
+
+
+def test_the_graph_is_read_from_the_sources():
+    graph = import_graph()
+    assert "pnmix.cache" in graph["pnmix.backends.core_ops"]
+    assert "pnmix.export.ops" in graph["pnmix.export.exporter"]
+    assert graph["pnmix.errors"] == set()
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycle():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_dependencies_run_one_way():
+    upward = [f"{m} ({LAYER_NAMES[layer_of(m)]}) imports {d} ({LAYER_NAMES[layer_of(d)]})"
+              for m, deps in sorted(import_graph().items()) for d in sorted(deps) if layer_of(d) > layer_of(m)]
+    assert not upward, "\n".join(upward)
+
+
+# Every module, each imported in a process where no other pnmix module was loaded before it. The
+# driver imports the third-party packages once and forks a child per module: a child starts
+# with no pnmix module, as a fresh `python -c "import MODULE"` would, without paying for
+# torch's import forty times.
+_DRIVER = textwrap.dedent("""
+    import importlib, os, sys, traceback
+    for heavy in ("torch", "numpy", "onnx", "onnxruntime", "transformers", "triton", "typer", "rich"):
+        try:
+            importlib.import_module(heavy)
+        except ImportError:
+            pass
+    failed = []
+    for name in sys.argv[1:]:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                importlib.import_module(name)
+            except BaseException:
+                traceback.print_exc()
+                os._exit(1)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        if status != 0:
+            failed.append(name)
+    print("FAILED " + " ".join(failed) if failed else "ALL IMPORTED")
+    sys.exit(1 if failed else 0)
+""")
+
+
+def _python(*args, **kwargs):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=REPO, env=env,
+                          timeout=600, **kwargs)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="the fresh-process import driver needs os.fork")
+def test_every_module_imports_in_a_fresh_process():
+    names = sorted(n for n in package_modules() if n != "pnmix.__main__")  # __main__ runs the CLI
+    result = _python("-c", _DRIVER, *names)
+    assert result.returncode == 0 and "ALL IMPORTED" in result.stdout, result.stdout + result.stderr[-4000:]
+
+
+def test_importing_pnmix_is_light_and_serves_only_export():
+    probe = textwrap.dedent("""
+        import importlib, sys
+        import pnmix
+        assert "torch" not in sys.modules, "import pnmix imported torch"
+        import pnmix.export.ops
+        for folder in ("tests", "tools", "plugins", "docs"):
+            try:
+                importlib.import_module("pnmix." + folder)
+            except ImportError:
+                continue
+            raise SystemExit(f"pnmix.{folder} is importable: only export/ belongs to the package")
+        assert pnmix.PackedKVCache.__module__ == "pnmix.cache"
+        print("OK")
+    """)
+    result = _python("-c", probe)
+    assert result.returncode == 0 and "OK" in result.stdout, result.stdout + result.stderr[-4000:]
