@@ -1,3 +1,5 @@
+import sys
+
 from .cli import main_entry
 
-main_entry()
+sys.exit(main_entry())
