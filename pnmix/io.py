@@ -170,6 +170,9 @@ def check_output_path(path: str | Path) -> Path:
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
         raise PnMixError(f"output folder does not exist: {folder}")
+    most = _name_max(folder)
+    if len(os.fsencode(path.name)) > most:
+        raise PnMixError(f"output name is {len(os.fsencode(path.name))} bytes, the folder's limit is {most}: {path}")
     if path.is_dir():
         raise PnMixError(f"output path is a directory: {path}")
     try:
@@ -266,15 +269,19 @@ def _temp_name(target: Path) -> str:
     """A hidden name beside target that fits the folder's name limit (NAME_MAX bytes) even when
     target's own name is near it: the target's name is shortened, the random tag kept."""
     tag = f".{secrets.token_hex(6)}.tmp"
-    try:
-        most = os.pathconf(target.parent if str(target.parent) else ".", "PC_NAME_MAX")
-    except (OSError, ValueError):
-        most = 255
-    room = max(0, most - 1 - len(tag))
+    room = max(0, _name_max(target.parent) - 1 - len(tag))
     stem = os.fsencode(target.name)[:room].decode("utf-8", errors="ignore")
     while len(os.fsencode(stem)) > room:  # names that are not UTF-8
         stem = stem[:-1]
     return str(target.with_name("." + stem + tag))
+
+
+def _name_max(folder: Path) -> int:
+    """The longest file name (in bytes) the folder's file system takes."""
+    try:
+        return os.pathconf(folder if str(folder) else ".", "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
 
 
 def _create_mode(target: Path) -> tuple:

@@ -233,6 +233,7 @@ def build_engine(model: Path, plugins: Path, output: Path, fp16: bool = False, b
 
     plugins = check_plugin_path(plugins)
     check_output_path(output)  # before the build, not after it
+    check_output_path(sidecar_path(output))  # its name is 5 bytes longer
     precision = _precision_note(fp16, bf16)
     onnx_model, info = read_onnx(model)
     shapes = profile_shapes(info.max_seq_len, info.batch, max_seq_len)

@@ -15,13 +15,18 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 fuzz = pytest.importorskip("fuzz_python")
 
-RUNS = {"dump": 400, "config": 400, "manifest": 200, "onnx": 120}
+RUNS = {"dump": 400, "config": 400, "manifest": 200, "onnx": 120, "json": 400, "sidecar": 200, "state": 300}
 
 
 @pytest.mark.parametrize("target", sorted(RUNS))
 def test_mutation_fuzzing_finds_nothing(target, tmp_path):
     if target == "onnx" and importlib.util.find_spec("pnmix.export.modelfile") is None:
         pytest.skip("the ONNX model reader is not built yet")
+    if target == "sidecar":
+        try:
+            fuzz.trt_module()
+        except ImportError as exc:
+            pytest.skip(str(exc))
     result = fuzz.run_loop(target, RUNS[target], 60.0, seed=1, crash_dir=tmp_path, log=lambda _: None)
     assert result["findings"] == [], result["findings"]
     assert result["cases"] == RUNS[target]
@@ -45,3 +50,12 @@ def test_a_planted_bug_is_found(tmp_path, monkeypatch):
     result = fuzz.run_loop("dump", 100, 30.0, seed=2, crash_dir=tmp_path, log=lambda _: None)
     assert any("IndexError: planted" in f for f in result["findings"])
     assert list(tmp_path.glob("dump-*.bin")), "the finding's input was not saved"
+
+
+def test_the_state_target_finds_an_import_that_skips_the_mask_check(tmp_path, monkeypatch):
+    """A planted gap: import_state without the pair-mask check accepts masks load_state refuses."""
+    import pnmix.cache as cache_module
+
+    monkeypatch.setattr(cache_module, "check_state", lambda *args: None)
+    result = fuzz.run_loop("state", 300, 60.0, seed=3, crash_dir=tmp_path, log=lambda _: None)
+    assert any("load_state refuses" in f for f in result["findings"]), result
