@@ -13,15 +13,14 @@ needs more than ``residual_size`` rows.
 
 from __future__ import annotations
 
-import operator
-from typing import Callable, Dict, Mapping, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 
 from . import reference
 from .config import PnMixConfig
 from .errors import PnMixError
-from .format import STATE_DTYPES, STATE_NAMES, CacheLayout, check_state, pack_pair_mask
+from .format import STATE_NAMES, CacheLayout, checked_state, pack_pair_mask
 
 State = Dict[str, torch.Tensor]
 
@@ -225,40 +224,8 @@ class PackedKVCache:
 
     def import_state(self, tensors: Dict[str, torch.Tensor], seq_len: int) -> None:
         """Load state tensors (as export_state gives them) holding seq_len tokens. Everything is
-        checked before anything changes, as load_state checks a dump: an integer seq_len within
-        the capacity, each tensor's shape and dtype (codes and mask uint8 or int8, the rest fp16),
-        finite fp16 values in the used part, a pair mask the config allows."""
-        seq_len = self._checked_seq_len(seq_len)
-        if not isinstance(tensors, Mapping):
-            raise PnMixError(f"cache state must be a dict of tensors by name, got {type(tensors).__name__}")
-        shapes = self.layout.state_shapes()
-        missing = [n for n in STATE_NAMES if n not in tensors]
-        if missing:
-            raise PnMixError(f"cache state is missing tensor '{missing[0]}'")
-        state = {}
-        for name in STATE_NAMES:
-            t = tensors[name]
-            if not isinstance(t, torch.Tensor):
-                raise PnMixError(f"state tensor '{name}' must be a torch tensor, got {type(t).__name__}")
-            if tuple(t.shape) != shapes[name]:
-                raise PnMixError(f"state tensor '{name}' has shape {list(t.shape)}, expected {list(shapes[name])}")
-            want = STATE_DTYPES[name]
-            if t.dtype != want and not (want == torch.uint8 and t.dtype == torch.int8):
-                allowed = "uint8 or int8" if want == torch.uint8 else str(want).replace("torch.", "")
-                raise PnMixError(f"state tensor '{name}' has dtype {str(t.dtype).replace('torch.', '')}, expected {allowed}")
-            state[name] = t.view(want)
-        check_state(self.layout, state, seq_len, "imported cache state")
+        checked before anything changes (format.checked_state: what load_state checks for a dump)."""
+        state, seq_len = checked_state(self.layout, tensors, seq_len, "imported cache state")
         for name in STATE_NAMES:
             self.state[name].copy_(state[name].to(self.device))
         self.seq_len = seq_len
-
-    def _checked_seq_len(self, seq_len) -> int:
-        if isinstance(seq_len, bool):
-            raise PnMixError(f"seq_len must be an integer, got {seq_len!r}")
-        try:
-            seq_len = operator.index(seq_len)
-        except TypeError:
-            raise PnMixError(f"seq_len must be an integer, got {seq_len!r}") from None
-        if not 0 <= seq_len <= self.layout.max_seq_len:
-            raise PnMixError(f"seq_len {seq_len} outside 0..{self.layout.max_seq_len}")
-        return seq_len

@@ -17,9 +17,10 @@ Conventions (see docs/FORMAT.md for the full text):
 from __future__ import annotations
 
 import math
+import operator
 import struct
 from dataclasses import dataclass
-from typing import Dict, Iterator, NamedTuple, Tuple
+from typing import Any, Dict, Iterator, Mapping, NamedTuple, Tuple
 
 import torch
 
@@ -442,6 +443,43 @@ def check_pair_mask(layout: CacheLayout, mask: torch.Tensor, what: str) -> None:
             f"{what}'s pair_mask marks {int(high[high != want][0])} high pairs in a KV head, "
             f"the config (high_ratio {layout.config.high_ratio}) gives {want}"
         )
+
+
+def checked_state(layout: CacheLayout, tensors: Mapping[str, Any], seq_len: Any,
+                  what: str) -> Tuple[Dict[str, torch.Tensor], int]:
+    """A state given as tensors (PackedKVCache.import_state, the ONNX backend's load_state),
+    checked as load_state checks a dump: seq_len an integer (not a bool or a float) within the
+    capacity; every tensor present, a torch tensor of its exact shape and dtype (codes and mask
+    uint8 or int8, as export_state gives them; fp16 parts fp16, never other 16-bit types taken as
+    fp16 bits); then check_state. Returns the tensors viewed as STATE_DTYPES, and seq_len."""
+    if isinstance(seq_len, bool):
+        raise PnMixError(f"{what}: seq_len must be an integer, got {seq_len!r}")
+    try:
+        seq_len = operator.index(seq_len)
+    except TypeError:
+        raise PnMixError(f"{what}: seq_len must be an integer, got {seq_len!r}") from None
+    if not 0 <= seq_len <= layout.max_seq_len:
+        raise PnMixError(f"{what}: seq_len {seq_len} outside 0..{layout.max_seq_len}")
+    if not isinstance(tensors, Mapping):
+        raise PnMixError(f"{what} must be a dict of tensors by name, got {type(tensors).__name__}")
+    missing = [n for n in STATE_NAMES if n not in tensors]
+    if missing:
+        raise PnMixError(f"{what} is missing tensor '{missing[0]}'")
+    shapes, state = layout.state_shapes(), {}
+    for name in STATE_NAMES:
+        t = tensors[name]
+        if not isinstance(t, torch.Tensor):
+            raise PnMixError(f"{what}: state tensor '{name}' must be a torch tensor, got {type(t).__name__}")
+        if tuple(t.shape) != shapes[name]:
+            raise PnMixError(f"{what}: state tensor '{name}' has shape {list(t.shape)}, expected {list(shapes[name])}")
+        want = STATE_DTYPES[name]
+        if t.dtype != want and not (want == torch.uint8 and t.dtype == torch.int8):
+            allowed = "uint8 or int8" if want == torch.uint8 else str(want).replace("torch.", "")
+            raise PnMixError(f"{what}: state tensor '{name}' has dtype {str(t.dtype).replace('torch.', '')}, "
+                             f"expected {allowed}")
+        state[name] = t.view(want)
+    check_state(layout, state, seq_len, what)
+    return state, seq_len
 
 
 def check_state(layout: CacheLayout, state: Dict[str, torch.Tensor], seq_len: int, what: str) -> None:

@@ -345,6 +345,34 @@ def test_onnxruntime_errors_inside_a_run_are_one_line(exported, tmp_path, monkey
     assert backend.seq_len == 0
 
 
+def test_the_onnx_backend_loads_states_as_import_state_does(exported, tmp_path):
+    """OnnxBackend.load_state shares import_state's checks (format.checked_state)."""
+    pytest.importorskip("onnxruntime")
+    import torch
+
+    from pnmix.backends.onnx_backend import OnnxBackend
+    from pnmix.cache import PackedKVCache
+    from pnmix.model import HEAD_DIM, KV_HEADS
+
+    path = tmp_path / "m.onnx"
+    path.write_bytes(exported)
+    backend = OnnxBackend(SMALL_CONFIG, 42, 64, model=path)
+    cache = PackedKVCache(SMALL_CONFIG, KV_HEADS, HEAD_DIM, 64)
+    cache.append(torch.randn(1, KV_HEADS, 30, HEAD_DIM).half(), torch.randn(1, KV_HEADS, 30, HEAD_DIM).half())
+    good = cache.export_state()
+    nan_step = good["key_step"].clone()
+    nan_step[0, 0, 0, 0] = float("nan")
+    before = {name: array.copy() for name, array in backend._state.items()}
+    for tensors, seq_len, words in ((good, 1.5, "integer"), (good, True, "integer"),
+                                    ({**good, "sink_k": good["sink_k"].view(torch.bfloat16)}, 30, "bfloat16"),
+                                    ({**good, "key_step": nan_step}, 30, "NaN or Inf")):
+        with pytest.raises(PnMixError, match=words):
+            backend.load_state(tensors, seq_len)
+        assert backend.seq_len == 0 and all((backend._state[n] == before[n]).all() for n in before)
+    backend.load_state(good, 30)
+    assert backend.seq_len == 30
+
+
 def test_onnxruntime_writes_no_coloured_log_lines(exported, tmp_path):
     """A verify through ONNX Runtime in a fresh process: stderr holds no ANSI escapes."""
     pytest.importorskip("onnxruntime")

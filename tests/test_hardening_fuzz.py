@@ -54,8 +54,8 @@ def test_a_planted_bug_is_found(tmp_path, monkeypatch):
 
 def test_the_state_target_finds_an_import_that_skips_the_mask_check(tmp_path, monkeypatch):
     """A planted gap: import_state without the pair-mask check accepts masks load_state refuses."""
-    import pnmix.cache as cache_module
+    import pnmix.format as format_module
 
-    monkeypatch.setattr(cache_module, "check_state", lambda *args: None)
+    monkeypatch.setattr(format_module, "check_state", lambda *args: None)
     result = fuzz.run_loop("state", 300, 60.0, seed=3, crash_dir=tmp_path, log=lambda _: None)
     assert any("load_state refuses" in f for f in result["findings"]), result

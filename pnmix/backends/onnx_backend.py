@@ -17,7 +17,7 @@ import torch
 
 from ..config import PnMixConfig
 from ..errors import PnMixError, one_line
-from ..format import STATE_DTYPES, STATE_NAMES, CacheLayout
+from ..format import STATE_DTYPES, STATE_NAMES, CacheLayout, checked_state
 from ..memory import check_fits
 from ..model import VOCAB
 from .base import Backend
@@ -152,19 +152,12 @@ class OnnxBackend(Backend):
         return dict(zip(self._output_names, values))
 
     def load_state(self, tensors: Dict[str, torch.Tensor], seq_len: int) -> None:
-        """Start from a given packed state (uint8 or int8 codes) holding seq_len tokens."""
-        if not 0 <= seq_len <= self.layout.max_seq_len:
-            raise PnMixError(f"seq_len {seq_len} outside 0..{self.layout.max_seq_len}")
-        shapes = self.layout.state_shapes()
-        state = {}
-        for name in STATE_NAMES:
-            if name not in tensors:
-                raise PnMixError(f"cache state is missing tensor '{name}'")
-            t = tensors[name]
-            if tuple(t.shape) != tuple(shapes[name]):
-                raise PnMixError(f"state tensor '{name}' has shape {list(t.shape)}, the model takes {list(shapes[name])}")
-            state[name] = t.cpu().contiguous().numpy().view(_numpy_dtype(name)).copy()
-        self._state, self.seq_len = state, seq_len
+        """Start from a given packed state (uint8 or int8 codes) holding seq_len tokens, checked
+        as PackedKVCache.import_state checks it (format.checked_state)."""
+        checked, seq_len = checked_state(self.layout, tensors, seq_len, "loaded cache state")
+        self._state = {name: t.cpu().contiguous().numpy().view(_numpy_dtype(name)).copy()
+                       for name, t in checked.items()}
+        self.seq_len = seq_len
 
     def _check_tokens(self, tokens: torch.Tensor) -> int:
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
