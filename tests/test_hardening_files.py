@@ -170,12 +170,22 @@ def test_a_json_input_beyond_the_size_limit_is_refused_before_it_is_read(tmp_pat
     assert_one_error_line(done, ["huge.json", f"limit of {io.JSON_LIMIT} bytes"])
 
 
-def test_hf_eval_text_from_a_fifo_is_refused(special):
+def test_hf_eval_text_and_model_files_that_are_fifos_are_refused(special, tmp_path):
     pytest.importorskip("transformers")
-    from pnmix.hf.evaluate import tokenize
+    from pnmix.hf.evaluate import check_model_dir, tokenize
 
     with pytest.raises(PnMixError, match="text path is not a regular file"):
         tokenize(special["folder"], special["fifo"], 256)
+    model = tmp_path / "model"
+    model.mkdir()
+    os.mkfifo(model / "config.json")
+    with pytest.raises(PnMixError, match="model path is not a regular file .*config.json"):
+        check_model_dir(model)
+    (model / "config.json").unlink()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    (model / "model.safetensors").symlink_to("/dev/zero")
+    with pytest.raises(PnMixError, match="model path is not a regular file .*model.safetensors"):
+        check_model_dir(model)
 
 
 # ---------------------------------------------------------------------------------------

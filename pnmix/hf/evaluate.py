@@ -18,7 +18,7 @@ import torch
 
 from ..config import PnMixConfig, read_json_file
 from ..errors import PnMixError, describe
-from ..io import check_output_path, read_text, write_json_atomic
+from ..io import check_input_file, check_output_path, read_text, write_json_atomic
 from ._deps import quanto_unavailable_reason, require_transformers
 
 MIN_PROMPT_TOKENS = 4
@@ -33,8 +33,11 @@ def check_model_dir(model_dir: Path) -> Any:
         raise PnMixError(f"model directory not found: {model_dir}")
     if not model_dir.is_dir():
         raise PnMixError(f"model path is not a directory: {model_dir}")
-    if not (model_dir / "config.json").is_file():
+    if not (model_dir / "config.json").exists():
         raise PnMixError(f"not a Hugging Face model directory (no config.json): {model_dir}")
+    for entry in sorted(model_dir.iterdir()):  # transformers opens them: a FIFO would hang it
+        if not entry.is_dir():
+            check_input_file(entry, "model")
     require_transformers()
     from transformers import AutoConfig
 
