@@ -43,6 +43,12 @@ def _check_context(context: Optional[int], capacity: int) -> int:
     return context
 
 
+def _check_run_fits(context: int) -> None:
+    from pnmix.memory import check_fits
+
+    check_fits(RUN_BYTES_PER_TOKEN * context, f"--context {context}", "lower --context")
+
+
 def _fill(reference, tokens: torch.Tensor) -> None:
     """The reference cache as a prefill of these tokens leaves it, without the prefill's attention
     (the cache does not depend on it; its n x n scores would not fit for a long context)."""
@@ -63,7 +69,6 @@ def bench(max_seq_len: int = defaults.EXPORT_MAX_SEQ_LEN, context: Optional[int]
     from pnmix.config import run_config
     from pnmix.dataset import protocol_tokens
     from pnmix.manifest import load_manifest
-    from pnmix.memory import check_fits
 
     from .exporter import DEFAULT_OPSET, check_export_args, export_onnx
     from .modelfile import load_checked
@@ -73,7 +78,7 @@ def bench(max_seq_len: int = defaults.EXPORT_MAX_SEQ_LEN, context: Optional[int]
     config = run_config(load_manifest()).config
     if model is None:  # the export's own checks (capacity, file size, memory) before any work
         check_export_args(config, max_seq_len, 1, DEFAULT_OPSET)
-        _check_context(context, max_seq_len)
+        _check_run_fits(_check_context(context, max_seq_len))
     with tempfile.TemporaryDirectory(prefix="pnmix-bench-") as folder:
         export_seconds: Optional[float] = None
         if model is None:
@@ -82,7 +87,7 @@ def bench(max_seq_len: int = defaults.EXPORT_MAX_SEQ_LEN, context: Optional[int]
         info = load_checked(model)[1]
         config, capacity = info.config, info.max_seq_len
         context = _check_context(context, capacity)
-        check_fits(RUN_BYTES_PER_TOKEN * context, f"--context {context}", "lower --context")
+        _check_run_fits(context)
         tokens = protocol_tokens(context + 1)
         step_token = tokens[:, context:context + 1]
 

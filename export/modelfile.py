@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, Iterator, List, Tuple
 
 import onnx
 from google.protobuf.message import DecodeError
@@ -21,6 +21,8 @@ from onnx import external_data_helper
 from pnmix.config import PnMixConfig
 from pnmix.errors import PnMixError, one_line
 from pnmix.format import STATE_NAMES, CacheLayout
+from pnmix.io import MODEL_LIMIT, check_input_file, read_input
+from pnmix.memory import check_fits
 from pnmix.model import HEAD_DIM, KV_HEADS
 
 from . import ops
@@ -51,14 +53,7 @@ class ModelInfo:
 
 def load_checked(path: str | Path) -> Tuple[onnx.ModelProto, ModelInfo]:
     path = Path(path)
-    if not path.exists():
-        raise PnMixError(f"ONNX model file not found: {path}")
-    if not path.is_file():
-        raise PnMixError(f"ONNX model path is not a file: {path}")
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise PnMixError(f"cannot read ONNX model {path}: {exc.strerror}") from None
+    data = read_input(path, "ONNX model", MODEL_LIMIT)
     if not data:
         raise PnMixError(f"ONNX model file is empty: {path}")
     model = onnx.ModelProto()
@@ -78,10 +73,13 @@ def load_checked(path: str | Path) -> Tuple[onnx.ModelProto, ModelInfo]:
 
 
 def check_external_data(model: onnx.ModelProto, folder: Path) -> None:
-    """External-data files must be relative paths inside the model's folder."""
+    """External-data files must be regular files, named by relative paths inside the model's
+    folder; every tensor is checked, sparse ones and those in attributes, subgraphs and functions
+    included (ONNX's own helper skips sparse tensors, and older ONNX Runtime versions do not check)."""
     root = folder.resolve()
-    for tensor in external_data_helper._get_all_tensors(model):
-        if not external_data_helper.uses_external_data(tensor):
+    files = {}
+    for tensor in all_tensors(model):
+        if tensor.data_location != onnx.TensorProto.EXTERNAL and not len(tensor.external_data):
             continue
         info = {entry.key: entry.value for entry in tensor.external_data}
         location = info.get("location", "")
@@ -95,8 +93,40 @@ def check_external_data(model: onnx.ModelProto, folder: Path) -> None:
         resolved = (root / where).resolve()
         if os.path.commonpath([str(root), str(resolved)]) != str(root):
             raise PnMixError(f"tensor '{tensor.name}' external data {location!r} resolves outside the model's folder")
-        if not resolved.is_file():
+        if not resolved.exists():
             raise PnMixError(f"tensor '{tensor.name}' external data file not found: {resolved}")
+        check_input_file(resolved, f"tensor '{tensor.name}' external data")
+        files[resolved] = resolved.stat().st_size
+    check_fits(sum(files.values()), f"the external data of the ONNX model in {folder}", "free memory")
+
+
+def all_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    """Every TensorProto a model holds: initializers, sparse initializers (values and indices),
+    node attributes (dense and sparse), in the main graph, its subgraphs and the local functions."""
+    yield from _graph_tensors(model.graph)
+    for function in model.functions:
+        for node in function.node:
+            yield from _node_tensors(node)
+
+
+def _graph_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    yield from graph.initializer
+    for sparse in graph.sparse_initializer:
+        yield from (sparse.values, sparse.indices)
+    for node in graph.node:
+        yield from _node_tensors(node)
+
+
+def _node_tensors(node: onnx.NodeProto) -> Iterator[onnx.TensorProto]:
+    for attribute in node.attribute:
+        if attribute.HasField("t"):
+            yield attribute.t
+        yield from attribute.tensors
+        sparse = list(attribute.sparse_tensors) + ([attribute.sparse_tensor] if attribute.HasField("sparse_tensor") else [])
+        for tensor in sparse:
+            yield from (tensor.values, tensor.indices)
+        for graph in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
+            yield from _graph_tensors(graph)
 
 
 def describe(model: onnx.ModelProto, path: Path) -> ModelInfo:

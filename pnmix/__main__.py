@@ -1,4 +1,6 @@
+import sys
+
 from .cli import main_entry
 
 if __name__ == "__main__":
-    main_entry()
+    sys.exit(main_entry())

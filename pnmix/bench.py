@@ -244,8 +244,10 @@ def _check_memory(layout: CacheLayout, q_heads: int, names: List[str], device: s
 
 def _choose_impls(impls: Optional[str], device: str, context: int) -> tuple[List[str], Dict[str, str]]:
     skipped: Dict[str, str] = {}
-    if impls:
-        names = [part.strip() for part in impls.split(",") if part.strip()]
+    if impls is not None:
+        from .cli import parse_list
+
+        names = parse_list(impls, "--impls")
         unknown = [name for name in names if name not in ALL_IMPLS]
         if unknown:
             raise PnMixError(f"unknown implementation '{unknown[0]}'; choose from {', '.join(ALL_IMPLS)}")

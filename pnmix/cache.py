@@ -25,15 +25,49 @@ import torch
 from . import reference
 from .config import PnMixConfig
 from .errors import PnMixError
-from .format import STATE_NAMES, CacheLayout, pack_pair_mask
+from .format import STATE_NAMES, CacheLayout, checked_state, pack_pair_mask
 
 State = Dict[str, torch.Tensor]
 
 
+# K/V the cache takes: real floating point, converted to fp16. Complex values would lose their
+# imaginary part; integers and booleans are not activations.
+KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_kv_tensors(k, v) -> None:
+    """New keys and values: two 4-D real floating-point tensors of one shape."""
+    for name, t in (("keys", k), ("values", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise PnMixError(f"new {name} must be a 4-D tensor [batch, kv_heads, n, head_dim], got "
+                             f"{list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        if t.dtype not in KV_DTYPES:
+            raise PnMixError(f"new {name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    if k.shape != v.shape:
+        raise PnMixError(f"new keys {list(k.shape)} and values {list(v.shape)} differ in shape")
+
+
+def fp16_kv(k: torch.Tensor, v: torch.Tensor, device: torch.device, first_token: int):
+    """K/V as the cache stores them (fp16 on device), refused when not finite there: Inf would
+    saturate to a finite step and quantize silently, NaN codes are backend-defined
+    (docs/HARDENING.md section 3)."""
+    out = []
+    for name, t in (("keys", k), ("values", v)):
+        t16 = t.to(device=device, dtype=torch.float16)
+        if not bool(torch.isfinite(t16).all()):
+            raise PnMixError(
+                f"new {name} hold non-finite values (NaN or Inf, or beyond fp16's +-65504) at "
+                f"tokens {first_token}..{first_token + t.shape[2] - 1}; the cache takes finite fp16 K/V only"
+            )
+        out.append(t16)
+    return out[0], out[1]
+
+
 def check_new_kv(layout: CacheLayout, k: torch.Tensor, v: torch.Tensor) -> None:
+    check_kv_tensors(k, v)
     want = (layout.batch, layout.kv_heads, layout.head_dim)
     for name, t in (("keys", k), ("values", v)):
-        if t.dim() != 4 or (t.shape[0], t.shape[1], t.shape[3]) != want:
+        if (t.shape[0], t.shape[1], t.shape[3]) != want:
             raise PnMixError(
                 f"new {name} must have shape [batch={want[0]}, kv_heads={want[1]}, n, "
                 f"head_dim={want[2]}], got {list(t.shape)}"
@@ -167,16 +201,7 @@ class PackedKVCache:
             )
         if n == 0:
             return
-        k = k.to(device=self.device, dtype=torch.float16)
-        v = v.to(device=self.device, dtype=torch.float16)
-        # Non-finite K/V would quantize silently (Inf saturates to a finite step, NaN codes are
-        # backend-defined): reject them before the state changes (docs/HARDENING.md).
-        for name, t in (("keys", k), ("values", v)):
-            if not bool(torch.isfinite(t).all()):
-                raise PnMixError(
-                    f"new {name} hold non-finite values (NaN or Inf, or beyond fp16's +-65504) at "
-                    f"tokens {self.seq_len}..{self.seq_len + n - 1}; the cache takes finite fp16 K/V only"
-                )
+        k, v = fp16_kv(k, v, self.device, self.seq_len)  # before the state changes
         if self.seq_len == 0:
             self.saliency_computations += 1
         self.ops.append(self.layout, self.state, self.seq_len, k, v)
@@ -228,10 +253,9 @@ class PackedKVCache:
         return out
 
     def import_state(self, tensors: Dict[str, torch.Tensor], seq_len: int) -> None:
-        """Load state tensors (as export_state gives them) holding seq_len tokens."""
-        self.layout.check_state(tensors)
-        if not 0 <= seq_len <= self.layout.max_seq_len:
-            raise PnMixError(f"seq_len {seq_len} outside 0..{self.layout.max_seq_len}")
+        """Load state tensors (as export_state gives them) holding seq_len tokens. Everything is
+        checked before anything changes (format.checked_state: what load_state checks for a dump)."""
+        state, seq_len = checked_state(self.layout, tensors, seq_len, "imported cache state")
         for name in STATE_NAMES:
-            self.state[name].copy_(tensors[name].to(self.device).view(self.state[name].dtype))
+            self.state[name].copy_(state[name].to(self.device))
         self.seq_len = seq_len

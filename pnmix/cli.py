@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -14,6 +15,7 @@ from rich.table import Table
 
 from . import defaults
 from .errors import PnMixError, describe
+from .io import ENDING_SIGNALS, Terminated
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="pnmix: the pn-mix 2-bit packed KV cache on every backend.")
@@ -27,6 +29,7 @@ _debug = {"on": False}
 
 ERROR_EXIT = 2
 FAIL_EXIT = 1
+SIGNAL_EXIT = 128  # + the signal's number, the shell's convention (SIGTERM: 143)
 
 
 @app.callback()
@@ -35,7 +38,8 @@ def main(debug: bool = typer.Option(False, "--debug", help="Show a traceback on 
 
 
 def one_line_errors(fn: Callable) -> Callable:
-    """Turn PnMixError (and any unexpected exception) into a one-line message and exit 2."""
+    """Turn PnMixError (and any unexpected exception) into a one-line message and exit 2; a
+    signal that ends the process (SIGTERM, SIGHUP: see main_entry) exits 128 + its number."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -47,28 +51,43 @@ def one_line_errors(fn: Callable) -> Callable:
             _fail(str(exc))
         except KeyboardInterrupt:
             _fail("interrupted")
+        except Terminated as exc:
+            _fail(f"terminated by {exc}", SIGNAL_EXIT + exc.signum)
         except Exception as exc:  # a bug or an environment problem: still one line
             _fail(describe(exc))
 
     return wrapper
 
 
-def _fail(message: str) -> None:
+def _fail(message: str, code: int = ERROR_EXIT) -> None:
     if _debug["on"]:
         traceback.print_exc()
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
-    raise typer.Exit(code=ERROR_EXIT)
+    _print_error(message)
+    raise typer.Exit(code=code)
+
+
+def _print_error(message: str) -> None:
+    from rich.markup import escape
+
+    # escape: a message may hold brackets ("shape [batch=1, ...]") that rich would take as markup
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+
+
+def parse_list(text: str, option: str) -> List[str]:
+    """The items of a comma-separated option; naming nothing (``--impls ,``) is an error."""
+    items = [part.strip() for part in text.split(",") if part.strip()]
+    if not items:
+        raise PnMixError(f"{option} names nothing, got {text!r}")
+    return items
 
 
 def parse_seeds(text: Optional[str], default: List[int]) -> List[int]:
     if text is None:
         return list(default)
     try:
-        seeds = [int(part) for part in text.split(",") if part.strip()]
+        seeds = [int(part) for part in parse_list(text, "--seeds")]
     except ValueError:
         raise PnMixError(f"--seeds must be comma-separated integers, got {text!r}") from None
-    if not seeds:
-        raise PnMixError("--seeds names no seed")
     from .model import SEED_RANGE
 
     bad = [seed for seed in seeds if not SEED_RANGE[0] <= seed <= SEED_RANGE[1]]
@@ -326,8 +345,73 @@ def hf_eval(
           prompt_tokens=prompt_tokens, config=config, json_path=json_path)
 
 
-def main_entry() -> None:  # console-script entry point
-    app()
+def main_entry() -> int:
+    """The console-script entry point: the app without click's standalone handling, so that a
+    usage error (unknown option, a value that is not an integer) is one `error:` line with exit 2
+    instead of a usage box, a closed stdout (`pnmix reproduce | head -1`) does not change the
+    exit code, and SIGTERM/SIGHUP end a command through its cleanup (no temporary files)."""
+    import typer.core
+
+    click = getattr(typer.core, "_click", None) or typer.core.click  # newer Typer vendors click
+    for signum in ENDING_SIGNALS:
+        signal.signal(signum, _raise_terminated)
+    sys.stdout = PipeSafeStream(sys.stdout)
+    try:
+        code = app(standalone_mode=False)
+    except click.exceptions.NoArgsIsHelpError as exc:
+        click.echo(exc.ctx.get_help() if exc.ctx is not None else exc.format_message())
+        code = ERROR_EXIT
+    except click.exceptions.UsageError as exc:  # BadParameter, NoSuchOption, MissingParameter, ...
+        where = f" (see: {exc.ctx.command_path} --help)" if exc.ctx is not None else ""
+        _print_error(f"{exc.format_message()}{where}")
+        code = exc.exit_code
+    except click.exceptions.Abort:
+        _print_error("aborted")
+        code = ERROR_EXIT
+    except Terminated as exc:  # outside a command (while parsing, importing)
+        _print_error(f"terminated by {exc}")
+        code = SIGNAL_EXIT + exc.signum
+    except KeyboardInterrupt:
+        _print_error("interrupted")
+        code = ERROR_EXIT
+    sys.stdout.flush()
+    return code if isinstance(code, int) else 0
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated(signum)
+
+
+class PipeSafeStream:
+    """stdout that a reader may close early (`| head -1`): the first broken-pipe write sends the
+    rest of the output to /dev/null, and the command finishes (its --json, its exit code) as if
+    the output had been read."""
+
+    def __init__(self, stream: Any):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._discard()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._discard()
+
+    def _discard(self) -> None:
+        import os
+
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self._stream.fileno())  # the buffered rest goes there too, silently
+        os.close(devnull)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 if __name__ == "__main__":

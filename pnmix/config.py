@@ -9,7 +9,6 @@ writes from this module (a test keeps it current).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -177,8 +176,8 @@ class RunConfig:
     def __post_init__(self) -> None:
         for name in PROTOCOL_FIELDS:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise PnMixError(f"config field '{name}' must be an integer >= 0, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SEQ_LEN:
+                raise PnMixError(f"config field '{name}' must be an integer 0..{MAX_SEQ_LEN}, got {value!r}")
         if self.prefill_tokens < 1:
             raise PnMixError("config field 'prefill_tokens' must be >= 1: the pair mask comes from the prefill")
 
@@ -191,20 +190,11 @@ _DEFAULT_LENGTHS = RunConfig(PnMixConfig())  # the protocol's lengths when the m
 
 
 def read_json_file(path: str | Path, what: str) -> Any:
-    """Read a JSON file with one-line errors for every way that can fail."""
-    path = Path(path)
-    if not path.exists():
-        raise PnMixError(f"{what} file not found: {path}")
-    if path.is_dir():
-        raise PnMixError(f"{what} path is a directory, not a file: {path}")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PnMixError(f"cannot read {what} file {path}: {exc}") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise PnMixError(f"{what} file {path} is not valid JSON: {exc}") from None
+    """Read a JSON file with one-line errors for every way that can fail (pnmix.io.read_json:
+    regular files only, a size limit, JSON that defeats the parser)."""
+    from .io import read_json
+
+    return read_json(path, what)
 
 
 def run_config(manifest: Mapping[str, Any], override_path: str | Path | None = None) -> RunConfig:

@@ -22,11 +22,17 @@ def hamlet_bytes() -> bytes:
     return data
 
 
-def protocol_tokens(count: int) -> torch.Tensor:
-    """The first `count` bytes of the dataset as int64 tokens [1, count]."""
+def check_token_count(count: int) -> bytes:
+    """The dataset, when it holds `count` tokens (else one line saying how many it has)."""
     data = hamlet_bytes()
     if count > len(data):
         raise PnMixError(f"the protocol needs {count} tokens, the dataset has {len(data)} bytes")
+    return data
+
+
+def protocol_tokens(count: int) -> torch.Tensor:
+    """The first `count` bytes of the dataset as int64 tokens [1, count]."""
+    data = check_token_count(count)
     return torch.tensor(list(data[:count]), dtype=torch.int64).unsqueeze(0)
 
 

@@ -13,15 +13,19 @@ class PnMixError(Exception):
         super().__init__(" ".join(str(message).split()))
 
 
-def one_line(what: object, limit: int = 300) -> str:
-    """Any message (or exception) folded onto one line and cut at `limit` characters; an
-    exception with no text reads as its type's name."""
+def one_line(what: object, limit: int = 1000) -> str:
+    """Any message (or exception) folded onto one line; an exception with no text reads as its
+    type's name. A message longer than `limit` characters loses its middle, not its end: the
+    reason often comes last, after long paths and tensor names."""
     text = " ".join(str(what).split())
     if not text and isinstance(what, BaseException):
         text = type(what).__name__
-    return text[:limit]
+    if len(text) <= limit:
+        return text
+    head = (limit - 5) * 2 // 3
+    return f"{text[:head]} ... {text[len(text) - (limit - 5 - head):]}"
 
 
-def describe(exc: BaseException, limit: int = 300) -> str:
+def describe(exc: BaseException, limit: int = 1000) -> str:
     """'TypeName: message' on one line: for exceptions that are not already ours."""
     return one_line(exc, limit) if isinstance(exc, PnMixError) else f"{type(exc).__name__}: {one_line(exc, limit)}"

@@ -17,6 +17,7 @@ Conventions (see docs/FORMAT.md for the full text):
 from __future__ import annotations
 
 import math
+import operator
 import struct
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, Mapping, NamedTuple, Tuple
@@ -241,17 +242,28 @@ class CacheLayout:
             itemsize = t.element_size() if isinstance(t, torch.Tensor) else t.dtype.itemsize
             if itemsize != STATE_DTYPES[name].itemsize:
                 raise PnMixError(f"state tensor '{name}' has dtype {t.dtype}, the layout needs {STATE_DTYPES[name]}")
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of all state tensors at capacity (what empty_state allocates)."""
+        return sum(math.prod(shape) * STATE_DTYPES[name].itemsize for name, shape in self.state_shapes().items())
+
+    def describe(self) -> str:
+        return (f"batch {self.batch}, kv_heads {self.kv_heads}, head_dim {self.head_dim}, max_seq_len "
+                f"{self.max_seq_len}, sink_tokens {self.config.sink_tokens}, residual_size {self.config.residual_size}")
+
     def empty_state(self, device: torch.device | str = "cpu") -> Dict[str, torch.Tensor]:
+        from .memory import check_fits
+
         shapes = self.state_shapes()
+        check_fits(self.state_bytes, f"the cache state ({self.describe()})", "lower max_seq_len or batch",
+                   str(device))
         try:
             return {name: torch.zeros(shape, dtype=STATE_DTYPES[name], device=device)
                     for name, shape in shapes.items()}
         except RuntimeError as exc:  # out of memory, or a size torch cannot even represent
-            need = sum(math.prod(shape) * STATE_DTYPES[name].itemsize for name, shape in shapes.items())
             raise PnMixError(
-                f"cannot allocate the cache state: {need} bytes for batch {self.batch}, kv_heads "
-                f"{self.kv_heads}, head_dim {self.head_dim}, max_seq_len {self.max_seq_len}, sink_tokens "
-                f"{self.config.sink_tokens}, residual_size {self.config.residual_size} on {device} "
+                f"cannot allocate the cache state: {self.state_bytes} bytes for {self.describe()} on {device} "
                 f"({one_line(exc, 120)})"
             ) from None
 
@@ -417,8 +429,7 @@ def load_state(blob: bytes) -> Tuple[CacheLayout, Dict[str, torch.Tensor], int]:
     layout = CacheLayout(config, batch, kv_heads, head_dim, max(seq_len, 1))
     # The state holds full sink/residual rows; a 64-byte header must not make us allocate
     # (or overflow torch's size arithmetic on) more than the file plus a bounded slack.
-    capacity = sum(math.prod(shape) * STATE_DTYPES[name].itemsize
-                   for name, shape in layout.state_shapes().items())
+    capacity = layout.state_bytes
     if capacity > len(blob) + DUMP_SLACK_BYTES:
         raise PnMixError(
             f"pnkv dump header describes a {capacity}-byte state for a {len(blob)}-byte file "
@@ -445,21 +456,69 @@ def load_state(blob: bytes) -> Tuple[CacheLayout, Dict[str, torch.Tensor], int]:
             state[name][used[name]] = raw.view(dtype).reshape(shape)
         cursor += nbytes
     if seq_len:
-        _check_pair_mask(layout, state["pair_mask"])
+        check_pair_mask(layout, state["pair_mask"], "pnkv dump")
     return layout, state, seq_len
 
 
-def _check_pair_mask(layout: CacheLayout, mask: torch.Tensor) -> None:
+def check_pair_mask(layout: CacheLayout, mask: torch.Tensor, what: str) -> None:
     """Key group offsets follow from the mask, so a mask with the wrong number of high pairs
     would make every reader walk the codes at the wrong offsets (docs/FORMAT.md 3.2)."""
-    bits = unpack_codes(mask, 1, mask.shape[-1] * 8)
+    bits = unpack_codes(mask.view(torch.uint8), 1, mask.shape[-1] * 8)
     used = layout.kv_heads * layout.pairs
     if bits[:, used:].any():
-        raise PnMixError("pnkv dump's pair_mask has set bits past the last pair (must be 0)")
+        raise PnMixError(f"{what}'s pair_mask has set bits past the last pair (must be 0)")
     high = bits[:, :used].reshape(-1, layout.kv_heads, layout.pairs).sum(-1)
     want = layout.config.high_pairs(layout.head_dim)
     if (high != want).any():
         raise PnMixError(
-            f"pnkv dump's pair_mask marks {int(high[high != want][0])} high pairs in a KV head, "
+            f"{what}'s pair_mask marks {int(high[high != want][0])} high pairs in a KV head, "
             f"the config (high_ratio {layout.config.high_ratio}) gives {want}"
         )
+
+
+def checked_state(layout: CacheLayout, tensors: Mapping[str, Any], seq_len: Any,
+                  what: str) -> Tuple[Dict[str, torch.Tensor], int]:
+    """A state given as tensors (PackedKVCache.import_state, the ONNX backend's load_state),
+    checked as load_state checks a dump: seq_len an integer (not a bool or a float) within the
+    capacity; every tensor present, a torch tensor of its exact shape and dtype (codes and mask
+    uint8 or int8, as export_state gives them; fp16 parts fp16, never other 16-bit types taken as
+    fp16 bits); then check_state. Returns the tensors viewed as STATE_DTYPES, and seq_len."""
+    if isinstance(seq_len, bool):
+        raise PnMixError(f"{what}: seq_len must be an integer, got {seq_len!r}")
+    try:
+        seq_len = operator.index(seq_len)
+    except TypeError:
+        raise PnMixError(f"{what}: seq_len must be an integer, got {seq_len!r}") from None
+    if not 0 <= seq_len <= layout.max_seq_len:
+        raise PnMixError(f"{what}: seq_len {seq_len} outside 0..{layout.max_seq_len}")
+    if not isinstance(tensors, Mapping):
+        raise PnMixError(f"{what} must be a dict of tensors by name, got {type(tensors).__name__}")
+    missing = [n for n in STATE_NAMES if n not in tensors]
+    if missing:
+        raise PnMixError(f"{what} is missing tensor '{missing[0]}'")
+    shapes, state = layout.state_shapes(), {}
+    for name in STATE_NAMES:
+        t = tensors[name]
+        if not isinstance(t, torch.Tensor):
+            raise PnMixError(f"{what}: state tensor '{name}' must be a torch tensor, got {type(t).__name__}")
+        if tuple(t.shape) != shapes[name]:
+            raise PnMixError(f"{what}: state tensor '{name}' has shape {list(t.shape)}, expected {list(shapes[name])}")
+        want = STATE_DTYPES[name]
+        if t.dtype != want and not (want == torch.uint8 and t.dtype == torch.int8):
+            allowed = "uint8 or int8" if want == torch.uint8 else str(want).replace("torch.", "")
+            raise PnMixError(f"{what}: state tensor '{name}' has dtype {str(t.dtype).replace('torch.', '')}, "
+                             f"expected {allowed}")
+        state[name] = t.view(want)
+    check_state(layout, state, seq_len, what)
+    return state, seq_len
+
+
+def check_state(layout: CacheLayout, state: Dict[str, torch.Tensor], seq_len: int, what: str) -> None:
+    """A state given whole (not decoded from a dump): the pair mask as load_state checks it, and
+    finite fp16 values in the used part (a cache only ever stores finite K/V, steps and offsets)."""
+    used = layout.used_slices(seq_len)
+    for name in STATE_NAMES:
+        if STATE_DTYPES[name] == torch.float16 and not bool(torch.isfinite(state[name][used[name]]).all()):
+            raise PnMixError(f"{what}: state tensor '{name}' holds NaN or Inf in its used part")
+    if seq_len:
+        check_pair_mask(layout, state["pair_mask"], what)

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Mapping, Optional
 from .config import RunConfig, read_json_file, run_config
 from .errors import PnMixError
 from .format import CacheLayout
-from .model import HEAD_DIM, KV_HEADS
+from .model import HEAD_DIM, KV_HEADS, SEED_RANGE
 
 BUNDLED = "data/pn-mix-manifest.json"
 
@@ -51,6 +51,10 @@ def load_manifest(path: Optional[str | Path] = None) -> Dict[str, Any]:
     seeds = data["seeds"]
     if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds):
         raise PnMixError(f"manifest {where}: 'seeds' must be a non-empty list of integers")
+    outside = [s for s in seeds if not SEED_RANGE[0] <= s <= SEED_RANGE[1]]
+    if outside:
+        raise PnMixError(f"manifest {where}: seed {outside[0]} is outside {SEED_RANGE[0]}..{SEED_RANGE[1]} "
+                         "(the seeds torch takes)")
     if not isinstance(data["protocol"], dict):
         raise PnMixError(f"manifest {where}: 'protocol' must be an object")
     return data

@@ -43,10 +43,23 @@ def human(n: int) -> str:
     return f"{n} bytes"
 
 
+# No allocation of this size can succeed anywhere (and torch's size arithmetic may overflow near
+# it): refused even where the machine does not say how much memory it has.
+ADDRESSABLE_BYTES = 1 << 56
+
+
 def check_fits(need: int, what: str, hint: str, device: str = "cpu") -> None:
     """Refuse ``what`` (e.g. "--context 1000000") when ``need`` bytes exceed what is available on
-    ``device`` (host memory for cpu); ``hint`` says what to change."""
-    have = gpu_available_bytes(device) if device.startswith("cuda") else available_bytes()
+    ``device`` (host memory for cpu); ``hint`` says what to change. Every path that allocates from
+    sizes it was given (options, configs, file headers, an ONNX file's capacity) calls this first."""
+    device = str(device)
+    if device.startswith("cuda"):
+        have, where = gpu_available_bytes(device), f"{device} memory"
+    elif device == "cpu":
+        have, where = available_bytes(), "memory"
+    else:  # meta tensors and other devices: their allocator decides
+        return
+    if need > ADDRESSABLE_BYTES:
+        have = ADDRESSABLE_BYTES if have is None else min(have, ADDRESSABLE_BYTES)
     if have is not None and need > have:
-        where = f"{device} memory" if device.startswith("cuda") else "memory"
         raise PnMixError(f"{what} needs about {human(need)} of {where}, {human(have)} is available; {hint}")

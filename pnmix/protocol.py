@@ -13,9 +13,10 @@ from . import reference
 from .backends.base import Backend
 from .config import RunConfig
 from .machine import cpu_model
-from .dataset import fingerprint, protocol_tokens
+from .dataset import check_token_count, fingerprint, protocol_tokens
 from .format import dump_state
-from .model import DiagnosticModel
+from .memory import check_fits
+from .model import HEAD_DIM, KV_HEADS, Q_HEADS, DiagnosticModel
 
 BackendFactory = Callable[[int, int], Backend]  # (seed, max_seq_len) -> Backend
 
@@ -42,6 +43,29 @@ def _peak_bytes(device: str) -> tuple[int, str]:
     # CPU tensors are not tracked by an allocator counter; the process's peak RSS is the
     # honest upper bound we can read.
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process_max_rss"
+
+
+# fp32 score-sized tensors alive at once in a dense attention (scores, masked scores,
+# probabilities), and in the metrics' two attentions with their log-probabilities and KL terms.
+ATTENTION_SCORE_COPIES = 2
+METRIC_SCORE_COPIES = 10
+
+
+def protocol_bytes(run: RunConfig) -> int:
+    """Peak host bytes of one protocol run, from its lengths: the prefill's causal attention is
+    prefill x prefill scores per query head, the evaluation and the metrics decode x total."""
+    prefill, total = run.prefill_tokens, run.total_tokens
+    scores = 4 * Q_HEADS * (ATTENTION_SCORE_COPIES * prefill * prefill
+                            + METRIC_SCORE_COPIES * run.decode_tokens * total)
+    activations = 64 * (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM * total  # q/k/v in fp16/fp32, outputs
+    return scores + prefill * prefill + activations
+
+
+def check_protocol_fits(run: RunConfig, device: str = "cpu") -> None:
+    """Before a run: the dataset holds its tokens, and its attention fits in memory."""
+    check_token_count(run.total_tokens)
+    check_fits(protocol_bytes(run), f"the protocol's prefill_tokens {run.prefill_tokens} and decode_tokens "
+               f"{run.decode_tokens}", "lower prefill_tokens or decode_tokens in --config")
 
 
 def run_protocol(make: BackendFactory, run: RunConfig, seed: int, device: str = "cpu") -> RunResult:

@@ -10,7 +10,7 @@ import torch
 from .backends import make_backend
 from .config import RunConfig
 from .manifest import compare
-from .protocol import RunResult, aggregate, run_protocol
+from .protocol import RunResult, aggregate, check_protocol_fits, run_protocol
 
 # Largest allowed |backend - reference| on attention outputs, per backend (the issues' targets).
 TOLERANCE = {"torch": 0.0, "core": 1e-3, "triton": 1e-3, "cuda": 1e-3, "onnx": 2e-3, "engine": 2e-3}
@@ -18,6 +18,8 @@ TOLERANCE = {"torch": 0.0, "core": 1e-3, "triton": 1e-3, "cuda": 1e-3, "onnx": 2
 
 def run_seeds(backend: str, run: RunConfig, seeds: List[int], device: str = "cpu",
               **options: Any) -> List[RunResult]:
+    check_protocol_fits(run)  # the reference's attention and metrics run on the host
+
     def factory(seed: int, max_seq_len: int):
         return make_backend(backend, run.config, seed, max_seq_len, device, **options)
 

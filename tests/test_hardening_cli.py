@@ -390,28 +390,18 @@ def test_atomic_write_interrupted_mid_write_leaves_no_temporary(tmp_path):
 
     with pytest.raises(TypeError):  # a bug, not bad input: it propagates, and cleans up first
         io.write_json_atomic(target, {"x": Unserializable()})
-    real_fdopen = io.os.fdopen
+    real_write = io.os.write
 
-    class Interrupted:  # a file whose write is cut short by Ctrl-C after half the bytes
-        def __init__(self, fd, mode):
-            self.f = real_fdopen(fd, mode)
+    def interrupted(fd, data):  # a write cut short by Ctrl-C after half the bytes
+        real_write(fd, bytes(data[: len(data) // 2]))
+        raise KeyboardInterrupt
 
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.f.close()
-
-        def write(self, data):
-            self.f.write(data[: len(data) // 2])
-            raise KeyboardInterrupt
-
-    io.os.fdopen = Interrupted
+    io.os.write = interrupted
     try:
         with pytest.raises(KeyboardInterrupt):
             io.write_bytes_atomic(target, b"x" * 1000)
     finally:
-        io.os.fdopen = real_fdopen
+        io.os.write = real_write
     assert target.read_bytes() == SENTINEL
     assert [p.name for p in tmp_path.iterdir()] == ["result.json"]
 

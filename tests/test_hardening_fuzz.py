@@ -14,7 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import fuzz_python as fuzz  # noqa: E402  (tools/ is not a package)
 
-RUNS = {"dump": 400, "config": 400, "manifest": 200, "onnx": 120}
+RUNS = {"dump": 400, "config": 400, "manifest": 200, "onnx": 120, "json": 400, "sidecar": 200, "state": 300}
 
 
 @pytest.mark.parametrize("target", sorted(RUNS))
@@ -42,3 +42,12 @@ def test_a_planted_bug_is_found(tmp_path, monkeypatch):
     result = fuzz.run_loop("dump", 100, 30.0, seed=2, crash_dir=tmp_path, log=lambda _: None)
     assert any("IndexError: planted" in f for f in result["findings"])
     assert list(tmp_path.glob("dump-*.bin")), "the finding's input was not saved"
+
+
+def test_the_state_target_finds_an_import_that_skips_the_mask_check(tmp_path, monkeypatch):
+    """A planted gap: import_state without the pair-mask check accepts masks load_state refuses."""
+    import pnmix.format as format_module
+
+    monkeypatch.setattr(format_module, "check_state", lambda *args: None)
+    result = fuzz.run_loop("state", 300, 60.0, seed=3, crash_dir=tmp_path, log=lambda _: None)
+    assert any("load_state refuses" in f for f in result["findings"]), result

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""Fuzz the Python side of pnmix: the .pnkv dump decoder, config and manifest parsing, and the
-ONNX model reader. Any exception other than PnMixError is a finding; so is a dump that loads
-but does not re-dump to the same bytes.
+"""Fuzz the Python side of pnmix: the .pnkv dump decoder, config and manifest parsing, the ONNX
+model reader, the JSON parser every reader uses, the TensorRT engine description, and
+PackedKVCache.import_state. Any exception other than PnMixError is a finding; so is a dump that
+loads but does not re-dump to the same bytes, a refused import that changed the cache, and an
+accepted import whose dump load_state refuses.
 
 Two engines:
 * atheris (coverage-guided, libFuzzer): ``python3 tools/fuzz_python.py --atheris -- -runs=100000``
@@ -30,7 +32,7 @@ from typing import Callable, Dict, List
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-TARGETS = ("dump", "config", "manifest", "onnx")
+TARGETS = ("dump", "config", "manifest", "onnx", "json", "sidecar", "state")
 
 
 # ---------------------------------------------------------------------------------------
@@ -102,11 +104,94 @@ class Targets:
             return self._refused(exc)
         return "ok"
 
+    def json(self, data: bytes) -> str:
+        from pnmix.io import parse_json
+
+        try:
+            parse_json(data.decode("utf-8", errors="replace"), "fuzz input")
+        except self.PnMixError as exc:
+            return self._refused(exc)
+        return "ok"
+
+    def sidecar(self, data: bytes) -> str:
+        plan = self.folder / "engine.plan"
+        plan.write_bytes(b"not a plan")
+        trt = trt_module()
+        trt.sidecar_path(plan).write_bytes(data)
+        try:
+            trt.read_sidecar(plan)
+        except self.PnMixError as exc:
+            return self._refused(exc)
+        return "ok"
+
+    def state(self, data: bytes) -> str:
+        """data: a 2-byte seq_len, then the raw bytes of the state tensors in STATE_NAMES order
+        (what is missing keeps the seed cache's bytes)."""
+        import torch
+
+        from pnmix.format import STATE_NAMES, dump_state, load_state
+
+        source, target = _state_caches()
+        tensors = {name: t.clone() for name, t in source.export_state().items()}
+        cursor = 2
+        for name in STATE_NAMES:
+            raw = tensors[name].view(torch.uint8).reshape(-1) if tensors[name].element_size() == 1 else \
+                tensors[name].view(torch.int16).view(torch.uint8).reshape(-1)
+            take = max(0, min(len(data) - cursor, raw.numel()))
+            if take:
+                raw[:take] = torch.frombuffer(bytearray(data[cursor:cursor + take]), dtype=torch.uint8)
+            cursor += take
+        seq_len = int.from_bytes(data[:2], "little") if len(data) >= 2 else 0
+        before = dump_state(target.layout, target.state, target.seq_len), target.seq_len
+        try:
+            target.import_state(tensors, seq_len)
+        except self.PnMixError as exc:
+            if (dump_state(target.layout, target.state, target.seq_len), target.seq_len) != before:
+                raise AssertionError("a refused import_state changed the cache")
+            return self._refused(exc)
+        blob = dump_state(target.layout, target.state, target.seq_len)
+        try:
+            load_state(blob)
+        except self.PnMixError as exc:
+            raise AssertionError(f"import_state accepts a state whose dump load_state refuses: {exc}") from None
+        target.import_state(source.export_state(), source.seq_len)  # back to the seed for the next case
+        return "ok"
+
     @staticmethod
     def _refused(exc: Exception) -> str:
         if "\n" in str(exc) or not str(exc):
             raise AssertionError(f"PnMixError message is not one line: {str(exc)!r}")
         return "refused"
+
+
+def trt_module():
+    """The TensorRT build module (it imports without TensorRT: the sidecar needs none)."""
+    import importlib
+
+    return importlib.import_module("pnmix.backends.tensorrt.engine")
+
+
+_STATE_CACHES: list = []
+
+
+def _state_caches():
+    """(source, target): a filled cache whose state the `state` target mutates, and the cache it
+    is imported into (same layout), made once."""
+    if not _STATE_CACHES:
+        import torch
+
+        from pnmix.cache import PackedKVCache
+        from pnmix.config import PnMixConfig
+
+        config = PnMixConfig(group_size=8, residual_size=16, sink_tokens=4, high_ratio=0.25)
+        caches = []
+        for n in (40, 40):
+            cache = PackedKVCache(config, 2, 8, 48)
+            g = torch.Generator().manual_seed(n)
+            cache.append(torch.randn(1, 2, n, 8, generator=g).half(), torch.randn(1, 2, n, 8, generator=g).half())
+            caches.append(cache)
+        _STATE_CACHES.extend(caches)
+    return _STATE_CACHES[0], _STATE_CACHES[1]
 
 
 # ---------------------------------------------------------------------------------------
@@ -141,6 +226,19 @@ def seeds(target: str) -> List[bytes]:
                 b'{"value_bits": 9}', b'{"high_ratio": "x"}', b'{"typo": 1}', b'[]']
     if target == "manifest":
         return [bundled_path().read_bytes()]
+    if target == "json":
+        return seeds("config") + [bundled_path().read_bytes(), b"[" * 99 + b"]" * 99, b'{"a": ' + b"9" * 100 + b"}",
+                                  b'{"a": [1, 2.5, "x", null, true, {"b": {}}]}']
+    if target == "sidecar":
+        sidecar = {"format": "pnmix-engine-1", "config": PnMixConfig().to_dict(), "capacity": 448, "batch": 1,
+                   "seed": 42, "precision": "fp32", "refittable": True,
+                   "profiles": {"decode": 0, "prefill": 1, "max_prefill": 384}}
+        return [json.dumps(sidecar).encode()]
+    if target == "state":
+        source, _ = _state_caches()
+        raw = b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() if t.element_size() == 1 else
+                       t.contiguous().view(torch.int16).numpy().tobytes() for t in source.export_state().values())
+        return [source.seq_len.to_bytes(2, "little") + raw, (0).to_bytes(2, "little") + raw]
     if target == "onnx":
         from pnmix.export.exporter import export_onnx
 
@@ -156,13 +254,15 @@ def seeds(target: str) -> List[bytes]:
 # ---------------------------------------------------------------------------------------
 
 INTERESTING_U32 = (0, 1, 2, 7, 8, 9, 31, 32, 33, 64, 127, 128, 255, 256, 2**16, 2**31 - 1, 2**31, 2**32 - 1)
+JSON_TARGETS = ("config", "manifest", "json", "sidecar")
 HEADER_U32_OFFSETS = (8, 12, 16, 20, 28, 32, 36, 40, 60)  # docs/FORMAT.md section 6
-JSON_TOKENS = (b"null", b"true", b"-1", b"0", b"1e999", b"NaN", b"[]", b"{}", b'""', b"1" + b"0" * 400, b"0.5", b'"half"')
+JSON_TOKENS = (b"null", b"true", b"-1", b"0", b"1e999", b"NaN", b"[]", b"{}", b'""', b"1" + b"0" * 400, b"0.5", b'"half"',
+               b"[" * 120 + b"]" * 120, b"1" + b"0" * 21, str(2**70).encode(), b"-" + str(2**64).encode())
 
 
 def mutate(rng: random.Random, data: bytes, corpus: List[bytes], target: str) -> bytes:
     blob = bytearray(data)
-    json_only = target in ("config", "manifest") and rng.random() < 0.7  # keep most cases parseable
+    json_only = target in JSON_TARGETS and rng.random() < 0.7  # keep most cases parseable
     for _ in range(rng.choice((1, 1, 2, 3, 8))):
         kind = 7 if json_only else rng.randrange(8)
         if kind == 0 and blob:  # flip a bit
@@ -184,7 +284,7 @@ def mutate(rng: random.Random, data: bytes, corpus: List[bytes], target: str) ->
             blob = blob[: rng.randrange(len(blob) + 1)] + other[cut:]
         elif kind == 6 and target == "dump" and len(blob) >= 64:  # an interesting header integer
             struct.pack_into("<I", blob, rng.choice(HEADER_U32_OFFSETS), rng.choice(INTERESTING_U32))
-        elif kind == 7 and target in ("config", "manifest"):  # replace a JSON value
+        elif kind == 7 and target in JSON_TARGETS:  # replace a JSON value
             text = bytes(blob)
             colons = [i for i, c in enumerate(text) if c == ord(":")]
             if colons:
@@ -237,13 +337,15 @@ def run_loop(target: str, runs: int, seconds: float, seed: int, crash_dir: Path 
 def run_atheris(target_names: List[str], libfuzzer_args: List[str]) -> None:
     import atheris
 
+    import pnmix.cache
     import pnmix.config
     import pnmix.format
+    import pnmix.io
     import pnmix.manifest
 
     # Instrument pnmix's own functions (instrument_imports misses modules loaded through the
     # package's custom path setup, and instrumenting torch would only slow the runs down).
-    for module in (pnmix.config, pnmix.format, pnmix.manifest):
+    for module in (pnmix.cache, pnmix.config, pnmix.format, pnmix.io, pnmix.manifest):
         for value in list(vars(module).values()):
             for fn in [value, *vars(value).values()] if isinstance(value, type) else [value]:
                 fn = getattr(fn, "__func__", fn)

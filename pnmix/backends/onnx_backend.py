@@ -17,21 +17,42 @@ import torch
 
 from ..config import PnMixConfig
 from ..errors import PnMixError, one_line
-from ..format import STATE_DTYPES, STATE_NAMES, CacheLayout
+from ..format import STATE_DTYPES, STATE_NAMES, CacheLayout, checked_state
+from ..memory import check_fits
 from ..model import VOCAB
 from .base import Backend
 
 
-def make_session(path, seed: Optional[int] = None, file_seed: Optional[int] = None, threads: Optional[int] = None):
-    """An ONNX Runtime CPU session; with seed != file_seed, that seed's weights replace the file's."""
+# ONNX Runtime's log severity: errors only (3). Its warnings are ANSI-coloured lines on stderr that
+# would break the CLI's one-line errors; the errors themselves come back as exceptions, which pnmix
+# turns into one PnMixError line.
+ORT_LOG_SEVERITY = 3
+
+
+def import_onnxruntime():
+    """onnxruntime, its default logger quieted (sessions made anywhere, and their runs, log through it)."""
     try:
         import onnxruntime as ort
     except ImportError:
         raise PnMixError("onnxruntime is not installed: pip install onnxruntime") from None
+    ort.set_default_logger_severity(ORT_LOG_SEVERITY)
+    return ort
+
+
+def session_bytes(layout: CacheLayout) -> int:
+    """Host bytes a session over this layout needs besides its weights: the state we keep, the
+    feeds and the present_* outputs (three copies), and the graph's dequantized fp32 K and V."""
+    dequantized = 2 * 4 * layout.batch * layout.kv_heads * layout.head_dim * layout.max_seq_len
+    return 3 * layout.state_bytes + dequantized
+
+
+def make_session(path, seed: Optional[int] = None, file_seed: Optional[int] = None, threads: Optional[int] = None):
+    """An ONNX Runtime CPU session; with seed != file_seed, that seed's weights replace the file's."""
+    ort = import_onnxruntime()
     from pnmix.export.exporter import seed_weights
 
     options = ort.SessionOptions()
-    options.log_severity_level = 3
+    options.log_severity_level = ORT_LOG_SEVERITY
     if threads:
         options.intra_op_num_threads = threads
     keep = []
@@ -72,7 +93,12 @@ class OnnxBackend(Backend):
             raise PnMixError(f"{info.path} has batch {info.batch}; the protocol runs batch 1 (export --batch 1)")
         self.info = info
         self.layout: CacheLayout = info.layout
+        # The file states its capacity: a small file can ask for terabytes of state.
+        check_fits(session_bytes(self.layout), f"{info.path}'s cache ({self.layout.describe()}) in ONNX Runtime",
+                   "export the model with a smaller --max-seq-len or --batch")
         self.session = make_session(info.path, seed, info.seed, threads)
+        self._run_options = import_onnxruntime().RunOptions()
+        self._run_options.log_severity_level = ORT_LOG_SEVERITY
         self._output_names = [o.name for o in self.session.get_outputs()]
         self._state = {name: np.zeros(shape, dtype=_numpy_dtype(name))
                        for name, shape in self.layout.state_shapes().items()}
@@ -112,17 +138,19 @@ class OnnxBackend(Backend):
         self.layout.check_state(arrays)
         for name in STATE_NAMES:
             feeds[name] = np.ascontiguousarray(arrays[name]).view(_numpy_dtype(name))
-        values = self.session.run(None, feeds)
+        try:
+            values = self.session.run(None, feeds, self._run_options)
+        except Exception as exc:  # ONNX Runtime's own exception types (a failed allocation, a bad kernel)
+            raise PnMixError(f"ONNX Runtime failed running {self.info.path}: {one_line(exc)}") from None
         return dict(zip(self._output_names, values))
 
     def load_state(self, tensors: Dict[str, torch.Tensor], seq_len: int) -> None:
-        """Start from a given packed state (uint8 or int8 codes) holding seq_len tokens."""
-        if not 0 <= seq_len <= self.layout.max_seq_len:
-            raise PnMixError(f"seq_len {seq_len} outside 0..{self.layout.max_seq_len}")
-        self.layout.check_state(tensors)
-        state = {name: tensors[name].cpu().contiguous().numpy().view(_numpy_dtype(name)).copy()
-                 for name in STATE_NAMES}
-        self._state, self.seq_len = state, seq_len
+        """Start from a given packed state (uint8 or int8 codes) holding seq_len tokens, checked
+        as PackedKVCache.import_state checks it (format.checked_state)."""
+        checked, seq_len = checked_state(self.layout, tensors, seq_len, "loaded cache state")
+        self._state = {name: t.cpu().contiguous().numpy().view(_numpy_dtype(name)).copy()
+                       for name, t in checked.items()}
+        self.seq_len = seq_len
 
     def _check_tokens(self, tokens: torch.Tensor) -> int:
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:

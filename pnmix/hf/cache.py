@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..cache import PackedKVCache
+from ..cache import PackedKVCache, check_kv_tensors, check_new_kv, fp16_kv
 from ..config import PnMixConfig
 from ..errors import PnMixError
 from ._deps import require_transformers
@@ -135,14 +135,20 @@ class PnMixLayer(CacheLayerMixin):
                 f"the last step of layer {self.layer_idx} was not attended by the pnmix attention (the model "
                 "switched attention implementation, or that step failed): use a new PnMixCache"
             )
+        # Validate first, change state after: a refused update leaves the layer as it was (its
+        # capacity too).
+        if self.packed is not None:
+            check_new_kv(self.packed.layout, key_states, value_states)
+        else:
+            check_kv_tensors(key_states, value_states)
+        seq_before = self.packed.seq_len if self.packed is not None else 0
+        k16, v16 = fp16_kv(key_states, value_states, key_states.device, seq_before)
+        self._check_positions(kwargs.get("kwargs"), seq_before)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self._check_positions(kwargs.get("kwargs"))
         n = key_states.shape[2]
-        seq_before = self.packed.seq_len
         self._reserve(n)
-        k16 = key_states.to(torch.float16).contiguous()
-        v16 = value_states.to(torch.float16).contiguous()
+        k16, v16 = k16.contiguous(), v16.contiguous()
         if seq_before == 0:
             # Prefill: full-precision attention over the prompt; the append sets the pair mask.
             keys, values = key_states, value_states
@@ -247,7 +253,7 @@ class PnMixLayer(CacheLayerMixin):
         self.packed = self.packed.resized(self.packed.layout.max_seq_len, rows)
         self.batch_size = int(rows.numel())
 
-    def _check_positions(self, forward_kwargs: Any) -> None:
+    def _check_positions(self, forward_kwargs: Any, seq_len: int) -> None:
         """Refuse left-padded batches and inputs that do not continue the cached sequence."""
         if not isinstance(forward_kwargs, dict):
             return
@@ -261,9 +267,9 @@ class PnMixLayer(CacheLayerMixin):
                 "(a left-padded batch?): pad-free prompts of one length, or one prompt per call"
             )
         start = int(first[0, 0])
-        if start != self.packed.seq_len:
+        if start != seq_len:
             raise PnMixError(
-                f"position ids start at {start} but the cache holds {self.packed.seq_len} tokens of layer "
+                f"position ids start at {start} but the cache holds {seq_len} tokens of layer "
                 f"{self.layer_idx}: the input must continue the cached sequence (padding or a rewind?)"
             )
 
@@ -289,9 +295,18 @@ class PnMixCache(Cache):
         super().__init__(layers=[])  # layers are made on first use, each knowing its index
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        while len(self.layers) <= layer_idx:
-            self.layers.append(PnMixLayer(self.config, len(self.layers), self.max_cache_len, self.backend))
-        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+        """Layers are made in order, on their first update: layer_idx is 0..len(layers); a new
+        layer joins the cache only when its first update succeeds (a refused update changes nothing)."""
+        made = len(self.layers)
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx <= made:
+            raise PnMixError(f"layer_idx must be an integer 0..{made} (layers are made in order from 0), "
+                             f"got {layer_idx!r}")
+        layer = self.layers[layer_idx] if layer_idx < made else PnMixLayer(
+            self.config, layer_idx, self.max_cache_len, self.backend)
+        out = layer.update(key_states, value_states, *args, **kwargs)
+        if layer_idx == made:
+            self.layers.append(layer)
+        return out
 
     def persistent_bytes(self) -> int:
         """Bytes the cache holds: the used part of every layer's packed state (SPEC section 2)."""

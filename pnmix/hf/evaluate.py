@@ -18,7 +18,7 @@ import torch
 
 from ..config import PnMixConfig, read_json_file
 from ..errors import PnMixError, describe
-from ..io import check_output_path, write_json_atomic
+from ..io import check_input_file, check_output_path, read_text, write_json_atomic
 from ._deps import quanto_unavailable_reason, require_transformers
 
 MIN_PROMPT_TOKENS = 4
@@ -33,8 +33,11 @@ def check_model_dir(model_dir: Path) -> Any:
         raise PnMixError(f"model directory not found: {model_dir}")
     if not model_dir.is_dir():
         raise PnMixError(f"model path is not a directory: {model_dir}")
-    if not (model_dir / "config.json").is_file():
+    if not (model_dir / "config.json").exists():
         raise PnMixError(f"not a Hugging Face model directory (no config.json): {model_dir}")
+    for entry in sorted(model_dir.iterdir()):  # transformers opens them: a FIFO would hang it
+        if not entry.is_dir():
+            check_input_file(entry, "model")
     require_transformers()
     from transformers import AutoConfig
 
@@ -60,13 +63,7 @@ def load_model(model_dir: Path):
 def tokenize(model_dir: Path, text_path: Path, vocab_size: int) -> tuple[torch.Tensor, str]:
     """Token ids [1, n] of the text: the model's tokenizer when the directory has one, else the
     text's UTF-8 bytes as ids (byte-level models, and the tests' tokenizer-free random models)."""
-    text_path = Path(text_path)
-    if not text_path.is_file():
-        raise PnMixError(f"text file not found: {text_path}")
-    try:
-        text = text_path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PnMixError(f"cannot read text file {text_path} as UTF-8: {exc}") from None
+    text = read_text(text_path, "text")
     has_tokenizer = any((Path(model_dir) / name).is_file()
                         for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
     if has_tokenizer:

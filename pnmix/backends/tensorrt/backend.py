@@ -23,6 +23,7 @@ from ...errors import PnMixError
 from ...format import STATE_NAMES, CacheLayout
 from ...model import HEAD_DIM, KV_HEADS
 from ..base import Backend, State
+from ...io import PLAN_LIMIT, read_input
 
 
 class TrtBackend(Backend):
@@ -56,7 +57,7 @@ class TrtBackend(Backend):
         self.torch_device = torch.device(device)
         self.logger = trt.Logger(trt.Logger.WARNING)
         self.runtime = trt.Runtime(self.logger)
-        self.engine = self.runtime.deserialize_cuda_engine(plan.read_bytes())
+        self.engine = self.runtime.deserialize_cuda_engine(read_input(plan, "TensorRT engine", PLAN_LIMIT))
         if self.engine is None:
             raise PnMixError(f"TensorRT cannot load the engine {plan} (built by another TensorRT version or GPU?)")
         if seed != int(described["seed"]):

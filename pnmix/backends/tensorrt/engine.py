@@ -27,7 +27,6 @@ for ``pnmix verify --engine`` and the C++ example.
 from __future__ import annotations
 
 import ctypes
-import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -95,7 +94,9 @@ def check_plugin_path(plugins: Optional[Path]) -> Path:
         )
     if path.is_dir():
         raise PnMixError(f"--plugins must be the {PLUGIN_LIBRARY} file, got a directory: {path}")
-    return path
+    from .io import check_input_file
+
+    return check_input_file(path, "plugin library")  # a FIFO or a device would hang the loader
 
 
 def load_plugins(trt, plugins: Path) -> None:
@@ -222,6 +223,7 @@ def build_engine(model: Path, plugins: Path, output: Path, max_seq_len: Optional
 
     plugins = check_plugin_path(plugins)
     check_output_path(output)  # before the build, not after it
+    check_output_path(sidecar_path(output))  # its name is 5 bytes longer
     onnx_model, info = read_onnx(model)
     shapes = profile_shapes(info.max_seq_len, info.batch, max_seq_len)
     prepared = prepare_onnx(onnx_model).SerializeToString()
@@ -276,10 +278,9 @@ def read_sidecar(plan: Path) -> Dict[str, Any]:
     path = sidecar_path(plan)
     if not path.exists():
         raise PnMixError(f"engine description not found: {path} (written by `pnmix build-engine` next to the plan)")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise PnMixError(f"cannot read the engine description {path}: {exc}") from None
+    from .io import read_json
+
+    data = read_json(path, "engine description")
     if not isinstance(data, dict) or data.get("format") != SIDECAR_FORMAT:
         raise PnMixError(f"{path} is not a pnmix engine description")
     try:

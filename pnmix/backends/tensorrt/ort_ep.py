@@ -67,7 +67,9 @@ def trt_provider_options(plugin_lib: Path, fp16: bool = False, cache_dir: Option
 
 def trt_session(model_path: Path, plugin_lib: Path, fp16: bool = False, cache_dir: Optional[Path] = None):
     """An ONNX Runtime session on the TensorRT EP with the pn-mix plugins (CUDA, CPU fallback)."""
-    import onnxruntime as ort
+    from pnmix.backends.onnx_backend import import_onnxruntime
+
+    ort = import_onnxruntime()
 
     if TRT_PROVIDER not in ort.get_available_providers():
         raise PnMixError("this ONNX Runtime has no TensorRT execution provider: install onnxruntime-gpu "
