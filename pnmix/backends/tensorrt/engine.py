@@ -94,7 +94,7 @@ def check_plugin_path(plugins: Optional[Path]) -> Path:
         )
     if path.is_dir():
         raise PnMixError(f"--plugins must be the {PLUGIN_LIBRARY} file, got a directory: {path}")
-    from .io import check_input_file
+    from ...io import check_input_file
 
     return check_input_file(path, "plugin library")  # a FIFO or a device would hang the loader
 
@@ -278,7 +278,7 @@ def read_sidecar(plan: Path) -> Dict[str, Any]:
     path = sidecar_path(plan)
     if not path.exists():
         raise PnMixError(f"engine description not found: {path} (written by `pnmix build-engine` next to the plan)")
-    from .io import read_json
+    from ...io import read_json
 
     data = read_json(path, "engine description")
     if not isinstance(data, dict) or data.get("format") != SIDECAR_FORMAT:
