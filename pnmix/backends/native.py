@@ -46,14 +46,22 @@ def bind_library(name: str, signatures: Signatures, version_fn: str, abi_version
     """The native library `name` with its prototypes set and its ABI version checked (once)."""
     lib = load_library(name)
     if not getattr(lib, "_pnmix_ready", False):
+        version = _function(lib, name, version_fn)
+        version.argtypes, version.restype = [], ctypes.c_int
+        if version() != abi_version:
+            raise PnMixError(f"lib{name} ABI version {version()}, this pnmix needs {abi_version}: rebuild it")
         for fn_name, (args, result) in signatures.items():
-            fn = getattr(lib, fn_name)
+            fn = _function(lib, name, fn_name)
             fn.argtypes, fn.restype = list(args), result
-        version = getattr(lib, version_fn)()
-        if version != abi_version:
-            raise PnMixError(f"lib{name} ABI version {version}, this pnmix needs {abi_version}: rebuild it")
         lib._pnmix_ready = True
     return lib
+
+
+def _function(lib: ctypes.CDLL, name: str, fn_name: str):
+    try:
+        return getattr(lib, fn_name)
+    except AttributeError:
+        raise PnMixError(f"lib{name} has no {fn_name}: it is older than this pnmix, rebuild it") from None
 
 
 def check_status(status: int, what: str, last_error) -> None:

@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define PNMIX_CORE_ABI_VERSION 2
+#define PNMIX_CORE_ABI_VERSION 3 /* 3: pnmix_core_struct_offset */
 
 #if defined(_WIN32)
 #define PNMIX_API
