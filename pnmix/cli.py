@@ -355,7 +355,7 @@ def main_entry() -> int:
     click = getattr(typer.core, "_click", None) or typer.core.click  # newer Typer vendors click
     for signum in ENDING_SIGNALS:
         signal.signal(signum, _raise_terminated)
-    sys.stdout = PipeSafeStream(sys.stdout)
+    sys.stdout, sys.stderr = PipeSafeStream(sys.stdout), PipeSafeStream(sys.stderr)
     try:
         code = app(standalone_mode=False)
     except click.exceptions.NoArgsIsHelpError as exc:
@@ -375,6 +375,7 @@ def main_entry() -> int:
         _print_error("interrupted")
         code = ERROR_EXIT
     sys.stdout.flush()
+    sys.stderr.flush()
     return code if isinstance(code, int) else 0
 
 
@@ -383,9 +384,9 @@ def _raise_terminated(signum: int, frame: Any) -> None:
 
 
 class PipeSafeStream:
-    """stdout that a reader may close early (`| head -1`): the first broken-pipe write sends the
-    rest of the output to /dev/null, and the command finishes (its --json, its exit code) as if
-    the output had been read."""
+    """stdout (or stderr) that a reader may close early (`| head -1`): the first broken-pipe write
+    sends the rest of the output to /dev/null, and the command finishes (its --json, its exit
+    code) as if the output had been read."""
 
     def __init__(self, stream: Any):
         self._stream = stream

@@ -536,6 +536,11 @@ def test_a_closed_stdout_does_not_change_the_exit_code(special, tmp_path):
     passed = json.loads(out.read_text())["passed"]
     assert process.returncode == (0 if passed else 1), stderr
     assert stderr.strip() == b"", stderr
+    error = subprocess.Popen([sys.executable, "-m", "pnmix", "reproduce", "--seeds", "x"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=ENV, cwd=REPO)
+    error.stdout.close()
+    error.stderr.close()  # nobody reads the error line: the exit code still says what happened
+    assert error.wait(timeout=TIMEOUT) == 2
     shell = subprocess.run(f"{sys.executable} -m pnmix reproduce --config {special['small']} --seeds 42 | head -1; "
                            "exit ${PIPESTATUS[0]}", shell=True, executable="/bin/bash", capture_output=True,
                            text=True, env=ENV, cwd=REPO, timeout=TIMEOUT)
