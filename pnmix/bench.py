@@ -249,7 +249,7 @@ def _check_memory(layout: CacheLayout, q_heads: int, names: List[str], device: s
 def _choose_impls(impls: Optional[str], device: str, context: int) -> tuple[List[str], Dict[str, str]]:
     skipped: Dict[str, str] = {}
     if impls is not None:
-        from .cli import parse_list
+        from .errors import parse_list
 
         names = parse_list(impls, "--impls")
         unknown = [name for name in names if name not in ALL_IMPLS]

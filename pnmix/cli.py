@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import defaults
-from .errors import PnMixError, describe
+from .errors import PnMixError, describe, parse_list
 from .io import ENDING_SIGNALS, Terminated
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -71,14 +71,6 @@ def _print_error(message: str) -> None:
 
     # escape: a message may hold brackets ("shape [batch=1, ...]") that rich would take as markup
     err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
-
-
-def parse_list(text: str, option: str) -> List[str]:
-    """The items of a comma-separated option; naming nothing (``--impls ,``) is an error."""
-    items = [part.strip() for part in text.split(",") if part.strip()]
-    if not items:
-        raise PnMixError(f"{option} names nothing, got {text!r}")
-    return items
 
 
 def parse_seeds(text: Optional[str], default: List[int]) -> List[int]:

@@ -29,3 +29,11 @@ def one_line(what: object, limit: int = 1000) -> str:
 def describe(exc: BaseException, limit: int = 1000) -> str:
     """'TypeName: message' on one line: for exceptions that are not already ours."""
     return one_line(exc, limit) if isinstance(exc, PnMixError) else f"{type(exc).__name__}: {one_line(exc, limit)}"
+
+
+def parse_list(text: str, option: str) -> list:
+    """The items of a comma-separated option; naming nothing (``--impls ,``) is an error."""
+    items = [part.strip() for part in text.split(",") if part.strip()]
+    if not items:
+        raise PnMixError(f"{option} names nothing, got {text!r}")
+    return items
