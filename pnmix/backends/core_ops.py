@@ -8,6 +8,7 @@ dtypes, contiguity) and in the library (every size), whose message becomes a PnM
 from __future__ import annotations
 
 import ctypes
+import functools
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -79,6 +80,13 @@ def check(lib: ctypes.CDLL, status: int) -> None:
 
 
 def c_layout(layout: CacheLayout) -> CLayout:
+    """The C struct of a layout: built once per layout (layouts are frozen), copied per call so
+    the caller may change its own."""
+    return CLayout.from_buffer_copy(_built_layout(layout))
+
+
+@functools.lru_cache(maxsize=256)
+def _built_layout(layout: CacheLayout) -> CLayout:
     fields = layout.config.to_dict()
     fields["pair_layout"] = PAIR_LAYOUTS.index(fields["pair_layout"])
     return CLayout(CConfig(**fields), layout.batch, layout.kv_heads, layout.head_dim, layout.max_seq_len)
@@ -88,8 +96,32 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None or t.numel() == 0 else t.data_ptr()
 
 
+# The CState built for each state dict (by id), with what it was built from: a decode loop hands
+# the same tensors every step, so the checks run once per set of buffers, not once per call.
+_checked_states: Dict[int, tuple] = {}
+_MAX_CHECKED_STATES = 4096  # layers x live caches; forgotten all at once past this
+
+
+def _state_key(state: Dict[str, torch.Tensor]) -> tuple:
+    # the same tensor objects (alive: the dict holds them) over the same memory, size and dtype
+    return tuple((id(t), t.data_ptr(), t.numel(), t.dtype) if (t := state.get(name)) is not None else None
+                 for name in STATE_NAMES)
+
+
 def c_state(state: Dict[str, torch.Tensor]) -> CState:
-    """The state tensors as C buffers: CPU, contiguous, of the format's dtype (checked here)."""
+    """The state tensors as C buffers: CPU, contiguous, of the format's dtype (checked here; a
+    repeat call with the same buffers reuses the checked struct)."""
+    key = _state_key(state)
+    known = _checked_states.get(id(state))
+    if known is None or known[0] != key:
+        known = (key, _check_state(state))
+        if len(_checked_states) >= _MAX_CHECKED_STATES:
+            _checked_states.clear()
+        _checked_states[id(state)] = known
+    return CState.from_buffer_copy(known[1])  # a copy: the caller may change its own
+
+
+def _check_state(state: Dict[str, torch.Tensor]) -> CState:
     out = CState()
     for i, name in enumerate(STATE_NAMES):
         t = state.get(name)
