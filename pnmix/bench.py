@@ -17,6 +17,10 @@ Implementations (names in the JSON):
 * ``reference``: pnmix.reference.attend on the packed cache (dequantizes the whole cache each
   step; skipped above 32K tokens unless named in ``--impls``);
 * ``core``: libpnmix_core's packed decode attention (CPU threads, AVX2/AVX-512);
+* ``ort_gqa_fp32``, ``ort_gqa_fp16``, ``ort_gqa_int8``, ``ort_gqa_int4`` (scales per KV head and
+  channel) and ``ort_gqa_int8_tensor``, ``ort_gqa_int4_tensor`` (one scale): ONNX Runtime's
+  GroupQueryAttention on CPU over its dense and quantized KV caches (pnmix.ort_peers), each with its
+  cache bytes; a mode this onnxruntime cannot run is skipped with the reason;
 * on GPU, ``triton`` and ``cuda``: the other components' kernels, loaded lazily.
 
 GPU factory contract (``pnmix.backends.triton_ops:bench_factory``, ``pnmix.backends.cuda_ops:bench_factory``):
@@ -28,6 +32,11 @@ An import or construction failure skips that implementation with its one-line re
 Bytes read per step: dense caches read K and V (``2 * B * H * N * D * itemsize``); the packed
 kernels read the persistent bytes (FORMAT.md section 5); ``reference`` also writes and reads a
 dequantized fp32 copy of the cache, counted too.
+
+The limit, measured in the same run: ``machine.stream_gbs`` is the machine's streaming read
+bandwidth with the same thread count (stream_read_gbs: the best of a few sums over a buffer far
+larger than the caches); each result's ``gbs`` (= ``gbps``) is its bytes read per second and
+``bandwidth_fraction`` the share of that limit it reaches.
 """
 
 from __future__ import annotations
@@ -48,13 +57,19 @@ from .config import MAX_BATCH, MAX_HEAD_DIM, MAX_KV_HEADS, MAX_SEQ_LEN, PnMixCon
 from .errors import PnMixError, describe
 from .format import STATE_DTYPES, CacheLayout
 from .machine import cpu_model, resolve_device
+from .ort_peers import DENSE as ORT_DENSE
+from .ort_peers import MODES as ORT_MODES
 
-CPU_IMPLS = ("sdpa_fp32", "sdpa_bf16", "sdpa_fp32_grouped", "sdpa_bf16_grouped", "reference", "core")
+CPU_IMPLS = ("sdpa_fp32", "sdpa_bf16", "sdpa_fp32_grouped", "sdpa_bf16_grouped", "reference", "core",
+             "ort_gqa_fp32", "ort_gqa_fp16", "ort_gqa_int8", "ort_gqa_int4", "ort_gqa_int8_tensor",
+             "ort_gqa_int4_tensor")
 SDPA_DTYPES = {"sdpa_fp32": torch.float32, "sdpa_bf16": torch.bfloat16, "sdpa_fp16": torch.float16,
                "sdpa_fp32_grouped": torch.float32, "sdpa_bf16_grouped": torch.bfloat16}
 GPU_IMPLS = ("sdpa_fp16", "triton", "cuda")
 ALL_IMPLS = CPU_IMPLS + GPU_IMPLS
 GPU_FACTORIES = {"triton": "pnmix.backends.triton_ops:bench_factory", "cuda": "pnmix.backends.cuda_ops:bench_factory"}
+STREAM_BYTES = 256 << 20  # the bandwidth probe's buffer: 8x a 32 MiB L3, so it streams from memory
+STREAM_RUNS = 5
 REFERENCE_AUTO_LIMIT = 32768  # the reference dequantizes everything per step: too slow above this
 FILL_CHUNK = 8192  # tokens per append call while filling the cache (bounds the reference's scratch)
 
@@ -130,6 +145,16 @@ def make_impl(name: str, ctx: dict):
         state, q = ctx["state"], ctx["q"]
         ctx["core_isa"] = ops.isa()
         return (lambda: ops.attend(q, layout, state, n, None, None)), "cpu", packed, packed
+    if name in ORT_MODES:
+        from . import ort_peers
+
+        try:
+            fn = ort_peers.make_step(name, ctx["k"], ctx["v"], ctx["q"], ctx["threads"] or torch.get_num_threads())
+        except ort_peers.Unavailable as why:
+            raise Skip(str(why)) from None
+        batch, kv_heads, _, head_dim = ctx["k"].shape
+        size = ort_peers.cache_bytes(ORT_MODES[name], batch, kv_heads, n, head_dim)
+        return fn, "cpu", size, size
     if name in GPU_FACTORIES:
         if device == "cpu":
             raise Skip(f"{name} is a GPU implementation (run with --device cuda on a CUDA machine)")
@@ -214,16 +239,19 @@ def memory_needed(layout: CacheLayout, q_heads: int, names: List[str], device: s
     n = layout.max_seq_len
     dense = dense_bytes(layout, n, 1)  # bytes per byte of element size: 2 * B * H * N * D
     packed = state_bytes(layout)
-    host = 2 * dense + packed + 2 * layout.batch * q_heads * layout.head_dim
+    host = 2 * dense + packed + 2 * layout.batch * q_heads * layout.head_dim + STREAM_BYTES
     extra = {"cpu": 0, device: 0}
     for name in names:
-        where = "cpu" if name == "core" or device == "cpu" else device
+        where = "cpu" if name == "core" or name in ORT_MODES or device == "cpu" else device
         if name in SDPA_DTYPES:
             cost = dense * torch.tensor([], dtype=SDPA_DTYPES[name]).element_size()
         elif name == "reference":  # the whole cache dequantized to fp32, and its state copy
             cost = 4 * dense + (packed if where != "cpu" else 0)
         elif name in GPU_FACTORIES:
             cost = packed if where != "cpu" else 0
+        elif name in ORT_MODES:  # its cache, and the fp32 copy of K/V it is made from
+            mode = ORT_MODES[name]
+            cost = dense * 4 + dense * torch.tensor([], dtype=getattr(torch, mode.cache)).element_size() // mode.codes_per_byte
         else:
             cost = 0
         extra[where] = max(extra[where], cost)
@@ -264,6 +292,25 @@ def _choose_impls(impls: Optional[str], device: str, context: int) -> tuple[List
     return names, skipped
 
 
+def stream_read_gbs(threads: int, nbytes: int = STREAM_BYTES, runs: int = STREAM_RUNS) -> float:
+    """The machine's streaming read bandwidth in GB/s with `threads` threads: the best of `runs`
+    sums of an fp32 buffer far larger than the caches (torch's vectorized, multi-threaded
+    reduction reads each byte once and does one add per element, so memory is the limit)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        buffer = torch.ones(nbytes // 4)
+        buffer.sum()  # touch every page once before timing
+        best = math.inf
+        for _ in range(runs):
+            start = time.perf_counter()
+            buffer.sum()
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(before)
+    return nbytes / best / 1e9
+
+
 def machine_info(device: str, threads: int) -> dict:
     info = {
         "platform": platform.platform(),
@@ -291,6 +338,7 @@ def run_decode_bench(context: int, batch: int = defaults.DECODE_BATCH, q_heads: 
     if threads is not None:
         torch.set_num_threads(threads)
     used_threads = threads or torch.get_num_threads()
+    stream_gbs = stream_read_gbs(used_threads)
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(batch, kv_heads, context, head_dim, generator=g).half()
     v = torch.randn(batch, kv_heads, context, head_dim, generator=g).half()
@@ -310,9 +358,12 @@ def run_decode_bench(context: int, batch: int = defaults.DECODE_BATCH, q_heads: 
             skipped[name] = str(why)
             continue
         outputs[name] = out.float().cpu()
+        gbs = read / median / 1e9
         results.append({
             "impl": name, "device": where, "median_ms": median * 1e3, "cpu_ms": cpu * 1e3, "repeats": runs,
-            "cache_bytes": cache_bytes, "bytes_read": read, "gbps": read / median / 1e9,
+            "cache_bytes": cache_bytes, "bytes_read": read, "gbps": gbs, "gbs": gbs,
+            # the host's read bandwidth is the limit of the CPU implementations only
+            "bandwidth_fraction": gbs / stream_gbs if where == "cpu" else None,
         })
     _add_ratios(results)
     _add_agreement(results, outputs, ctx)
@@ -324,7 +375,7 @@ def run_decode_bench(context: int, batch: int = defaults.DECODE_BATCH, q_heads: 
         "core_isa": ctx.get("core_isa"),
         "results": results,
         "skipped": [{"impl": name, "reason": reason} for name, reason in skipped.items()],
-        "machine": machine_info(device, used_threads),
+        "machine": {**machine_info(device, used_threads), "stream_gbs": stream_gbs},
     }
 
 
@@ -332,7 +383,13 @@ def _add_ratios(results: List[dict]) -> None:
     by_name = {r["impl"]: r for r in results}
     dense = [r for r in results if r["impl"] in SDPA_DTYPES]
     best = min(dense, key=lambda r: r["median_ms"]) if dense else None
+    # the fastest dense peer of any kind: SDPA in any layout or ONNX Runtime's GQA on a dense cache
+    peers = dense + [r for r in results if r["impl"] in ORT_DENSE]
+    best_dense = min(peers, key=lambda r: r["median_ms"]) if peers else None
     for r in results:
+        if best_dense is not None:
+            r["best_dense"] = best_dense["impl"]
+            r["speedup_vs_best_dense"] = best_dense["median_ms"] / r["median_ms"]
         for base in SDPA_DTYPES:
             if base in by_name:
                 r[f"speedup_vs_{base}"] = by_name[base]["median_ms"] / r["median_ms"]
@@ -371,25 +428,29 @@ def print_report(report: dict) -> None:
     table = Table(title=(f"pnmix bench decode: {report['context']} tokens, batch {report['batch']}, "
                          f"{report['q_heads']} q heads / {report['kv_heads']} kv heads, head dim "
                          f"{report['head_dim']}, {report['machine']['threads']} threads"))
-    for column in ("impl", "device", "median ms", "cpu ms", "cache MB", "read MB/step", "GB/s", "vs sdpa_fp32",
-                   "vs sdpa_bf16", "vs best sdpa", "max|diff| vs ref"):
+    for column in ("impl", "device", "median ms", "cpu ms", "cache MB", "read MB/step", "GB/s", "of stream",
+                   "vs sdpa_fp32", "vs best dense", "max|diff|"):
         table.add_column(column, justify="left" if column in ("impl", "device") else "right")
     for r in report["results"]:
         def ratio(key: str) -> str:
             return f"{r[key]:.2f}x" if key in r else "-"
 
-        diff = r.get("max_abs_diff_vs_reference")
+        diff = r.get("max_abs_diff_vs_reference", r.get("max_abs_diff_vs_sdpa_fp32"))
+        share = r.get("bandwidth_fraction")
         table.add_row(r["impl"], r["device"], f"{r['median_ms']:.3f}", f"{r['cpu_ms']:.3f}", f"{r['cache_bytes'] / mb:.2f}",
-                      f"{r['bytes_read'] / mb:.2f}", f"{r['gbps']:.2f}", ratio("speedup_vs_sdpa_fp32"),
-                      ratio("speedup_vs_sdpa_bf16"), ratio("speedup_vs_best_sdpa"),
+                      f"{r['bytes_read'] / mb:.2f}", f"{r['gbs']:.2f}", "-" if share is None else f"{share:.0%}",
+                      ratio("speedup_vs_sdpa_fp32"), ratio("speedup_vs_best_dense"),
                       "-" if diff is None else f"{diff:.2g}")
     console = Console()
     if not console.is_terminal:
         console = Console(width=160)
     console.print(table)
-    best = next((r["best_sdpa"] for r in report["results"] if "best_sdpa" in r), None)
+    best = next((r["best_dense"] for r in report["results"] if "best_dense" in r), None)
     if best:
-        console.print(f"best dense baseline: {best}")
+        console.print(f"best dense peer: {best}; max|diff| is vs the reference for the packed kernels, vs sdpa_fp32 "
+                      f"for the others")
+    console.print(f"streaming read bandwidth of this machine, {report['machine']['threads']} threads: "
+                  f"{report['machine']['stream_gbs']:.1f} GB/s (\"of stream\" is each row's share of it)")
     ratio = report["dense_fp16_bytes"] / report["packed_bytes"]
     console.print(f"packed cache {report['packed_bytes'] / mb:.2f} MB vs fp16 {report['dense_fp16_bytes'] / mb:.2f} MB "
                   f"({ratio:.2f}x smaller); core kernel: {report['core_isa'] or '-'}; "

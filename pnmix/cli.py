@@ -288,6 +288,20 @@ def bench_decode(
           repeats=repeats, config=config, json_path=json_path)
 
 
+@bench_app.command("generate")
+@one_line_errors
+def bench_generate(
+    model: str = typer.Option("smollm2-135m", help="A Hugging Face folder, a .gguf file or a packaged model name."),
+    contexts: str = typer.Option("1024,4096,8192", help="Comma-separated prompt lengths in tokens."),
+    new_tokens: int = typer.Option(64, help="Timed decode steps per cache and context."),
+    threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's)."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
+) -> None:
+    """Decode tokens/s and cache memory: DynamicCache, QuantizedCache (quanto 4-bit), PnMixCache."""
+    _call("pnmix.hf.speed", "generate_command", model=model, contexts=contexts, new_tokens=new_tokens,
+          threads=threads, json_path=json_path)
+
+
 @bench_app.command("onnx")
 @one_line_errors
 def bench_onnx(

@@ -50,6 +50,39 @@ def test_grouped_sdpa_equals_gqa_sdpa(report):
     assert by_name["sdpa_fp32_grouped"]["max_abs_diff_vs_sdpa_fp32"] <= 1e-5
 
 
+def test_bandwidth_fraction_is_each_rate_over_the_measured_stream_bandwidth(report):
+    stream = report["machine"]["stream_gbs"]
+    assert stream > 0
+    for r in report["results"]:
+        assert r["gbs"] == r["gbps"]
+        assert r["bandwidth_fraction"] == pytest.approx(r["gbs"] / stream)
+    fastest = min(report["results"], key=lambda r: r["median_ms"])
+    dense = [r for r in report["results"] if r["impl"].startswith("sdpa") or r["impl"] in ("ort_gqa_fp32", "ort_gqa_fp16")]
+    best = min(dense, key=lambda r: r["median_ms"])
+    assert fastest["speedup_vs_best_dense"] == pytest.approx(best["median_ms"] / fastest["median_ms"])
+
+
+def test_onnx_runtime_peers_are_timed_or_skipped_with_their_cache_bytes(report):
+    by_name = {r["impl"]: r for r in report["results"]}
+    skipped = {s["impl"]: s["reason"] for s in report["skipped"]}
+    elements = 2 * 2 * 2 * 300 * 32  # K and V, [B, H, N, D]
+    want = {"ort_gqa_fp32": 4 * elements, "ort_gqa_fp16": 2 * elements,
+            "ort_gqa_int8": elements + 8 * 2 * 32, "ort_gqa_int4": elements // 2 + 8 * 2 * 32,
+            "ort_gqa_int8_tensor": elements + 8, "ort_gqa_int4_tensor": elements // 2 + 8}
+    for name, size in want.items():
+        assert (name in by_name) != (name in skipped), name
+        if name in by_name:
+            assert by_name[name]["cache_bytes"] == by_name[name]["bytes_read"] == size
+    # the dense caches hold the same K/V as sdpa_fp32's: the same attention to rounding
+    if "ort_gqa_fp32" in by_name:
+        assert by_name["ort_gqa_fp32"]["max_abs_diff_vs_sdpa_fp32"] <= 1e-5
+    if "ort_gqa_fp16" in by_name:
+        assert by_name["ort_gqa_fp16"]["max_abs_diff_vs_sdpa_fp32"] <= 1e-2
+    for name in ("ort_gqa_int8", "ort_gqa_int4"):  # quantized: close, not equal
+        if name in by_name:
+            assert by_name[name]["max_abs_diff_vs_sdpa_fp32"] <= 0.5
+
+
 @pytest.mark.skipif(not CORE, reason=f"libpnmix_core not available: {CORE_REASON}")
 def test_core_agrees_with_reference(report):
     core = next(r for r in report["results"] if r["impl"] == "core")
@@ -99,7 +132,8 @@ def test_cli_prints_and_writes_json(tmp_path):
                                       "sdpa_fp32,core" if CORE else "sdpa_fp32", "--json", str(out)])
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
-    assert {"impl", "median_ms", "cache_bytes", "bytes_read", "gbps"} <= set(data["results"][0])
+    assert {"impl", "median_ms", "cache_bytes", "bytes_read", "gbps", "gbs", "bandwidth_fraction"} <= set(data["results"][0])
+    assert data["machine"]["stream_gbs"] > 0
     assert "machine" in data and "pnmix bench decode" in result.output
     bad = CliRunner().invoke(app, ["bench", "decode", "--context", "0"])
     assert bad.exit_code == 2 and "--context" in bad.output

@@ -24,7 +24,7 @@ LAYERS = {
     "pnmix": 0, **{f"pnmix.{name}": 0 for name in CORE},
     "pnmix.export": 1, "pnmix.export.bench": 3, "pnmix.codegen": 1,
     "pnmix.backends": 2,
-    "pnmix.protocol": 3, "pnmix.verify": 3, "pnmix.doctor": 3, "pnmix.bench": 3, "pnmix.hf": 3,
+    "pnmix.protocol": 3, "pnmix.verify": 3, "pnmix.doctor": 3, "pnmix.bench": 3, "pnmix.ort_peers": 3, "pnmix.hf": 3,
     "pnmix.cli": 4, "pnmix.__main__": 4,
 }
 LAYER_NAMES = ("core", "the ONNX file (export)", "backends", "harness", "CLI")

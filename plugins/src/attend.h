@@ -28,6 +28,16 @@ struct AttendJob {
 
 inline int64_t partial_stride(const AttendJob& job) { return job.L.head_dim + 2; }
 
+// Threads worth waking for a call: one per kMinBytesPerThread of packed bytes to read (at least
+// one, at most `available`). Below that, waking a helper (and, inside a model, contending with
+// the framework's own threads for the cores) costs more than the split saves.
+constexpr int64_t kMinBytesPerThread = (int64_t)2 << 20;
+
+inline int attend_threads(const pnmix_layout& L, int64_t seq_len, int available) {
+  const int64_t useful = persistent_bytes(L, seq_len) / kMinBytesPerThread;
+  return useful < 1 ? 1 : useful < available ? (int)useful : available;
+}
+
 // The kernels: one per instruction set, same arithmetic.
 void attend_item_generic(const AttendJob& job, int64_t item);
 void attend_item_avx2(const AttendJob& job, int64_t item);

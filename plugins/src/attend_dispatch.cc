@@ -221,7 +221,7 @@ static int attend_impl(const pnmix_layout* layout, const pnmix_state* state, int
   job.group_q = q_heads / H;
   job.rows = job.group_q * nq;
   job.scale = (float)(1.0 / sqrt((double)D));
-  const int nthreads = resolve_threads(threads);
+  const int nthreads = attend_threads(L, seq_len, resolve_threads(threads));
   const int64_t heads = B * H;
   int64_t splits = (8 * nthreads + heads - 1) / heads;  // enough items for dynamic balance across threads
   if (splits > job.n.groups) splits = job.n.groups;

@@ -8,6 +8,7 @@ dtypes, contiguity) and in the library (every size), whose message becomes a PnM
 from __future__ import annotations
 
 import ctypes
+import functools
 from typing import Dict, Optional, Tuple
 
 import torch

@@ -9,6 +9,7 @@ state tensors as C buffers; core_ops.py and cuda_ops.py add only their own entry
 from __future__ import annotations
 
 import ctypes
+import functools
 from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -71,6 +72,13 @@ def check_status(status: int, what: str, last_error) -> None:
 
 
 def c_layout(layout: CacheLayout) -> CLayout:
+    """The C struct of a layout: built once per layout (layouts are frozen), copied per call so
+    the caller may change its own."""
+    return CLayout.from_buffer_copy(_built_layout(layout))
+
+
+@functools.lru_cache(maxsize=256)
+def _built_layout(layout: CacheLayout) -> CLayout:
     fields = layout.config.to_dict()
     fields["pair_layout"] = PAIR_LAYOUTS.index(fields["pair_layout"])
     return CLayout(CConfig(**fields), layout.batch, layout.kv_heads, layout.head_dim, layout.max_seq_len)
@@ -91,11 +99,36 @@ def nbytes(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
+# The CState built for each state dict (by id), with what it was built from: a decode loop hands
+# the same tensors every step, so the checks run once per set of buffers, not once per call.
+_checked_states: Dict[int, tuple] = {}
+_MAX_CHECKED_STATES = 4096  # layers x live caches; forgotten all at once past this
+
+
+def _state_key(state: Dict[str, torch.Tensor], device_problem) -> tuple:
+    # the same tensor objects (alive: the dict holds them) over the same memory, size and dtype
+    return (device_problem,) + tuple(
+        (id(t), t.data_ptr(), t.numel(), t.dtype) if (t := state.get(name)) is not None else None
+        for name in STATE_NAMES)
+
+
 def c_state(state: Dict[str, torch.Tensor], device_problem) -> CState:
-    """The state tensors as C buffers, each contiguous and of the format's dtype.
+    """The state tensors as C buffers, each contiguous and of the format's dtype (checked here; a
+    repeat call with the same buffers reuses the checked struct).
 
     device_problem(name, tensor): None when the tensor is on the device the library needs, else
     the one-line message saying where it is."""
+    key = _state_key(state, device_problem)
+    known = _checked_states.get(id(state))
+    if known is None or known[0] != key:
+        known = (key, _checked_c_state(state, device_problem))
+        if len(_checked_states) >= _MAX_CHECKED_STATES:
+            _checked_states.clear()
+        _checked_states[id(state)] = known
+    return CState.from_buffer_copy(known[1])  # a copy: the caller may change its own
+
+
+def _checked_c_state(state: Dict[str, torch.Tensor], device_problem) -> CState:
     out = CState()
     for i, name in enumerate(STATE_NAMES):
         t = state.get(name)

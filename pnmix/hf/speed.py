@@ -1,4 +1,5 @@
-"""Generation speed of the caches, with and without the pnmix attention path (docs/HF.md).
+"""Generation speed of the caches, with and without the pnmix attention path (docs/HF.md), and
+`pnmix bench generate` (run_generate_bench: decode tokens/s and cache memory on a real model).
 
     PYTHONPATH=. python3 -m pnmix.hf.speed [--model-dir DIR] [--prompt-tokens 1024] [--new-tokens 64]
 
@@ -14,10 +15,12 @@ from __future__ import annotations
 import argparse
 import time
 import warnings
-from typing import Any, Callable, Dict, List
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from ..errors import PnMixError
 from ..io import check_output_path, write_json_atomic
 from ._deps import quanto_unavailable_reason, require_transformers
 
@@ -87,6 +90,199 @@ def time_run(model, ids: torch.Tensor, new_tokens: int, attn: str, make_cache, r
             "decode_tokens_per_second": round(ids.shape[0] * new_tokens / decode, 2),
             "cache_bytes": held, "peak_dequantized_copy_bytes": copy,
             "backend": getattr(cache, "ops_name", None)}
+
+
+# ---------------------------------------------------------------------------------------
+# `pnmix bench generate`: decode tokens/s and cache memory on a real model at long context
+# ---------------------------------------------------------------------------------------
+
+GENERATE_CACHES = ("dynamic", "quanto4", "pnmix")
+MAX_NEW_TOKENS = 1 << 16
+
+
+def parse_contexts(text: str) -> List[int]:
+    try:
+        contexts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise PnMixError(f"--contexts must be comma-separated token counts, got {text!r}") from None
+    if not contexts or any(c < 1 for c in contexts):
+        raise PnMixError(f"--contexts must be positive token counts, got {text!r}")
+    return sorted(set(contexts))
+
+
+@torch.no_grad()
+def prefill_kv(model, ids: torch.Tensor) -> tuple[list, list]:
+    """Per layer, the post-RoPE K/V [B, H, n, D] that the model hands its cache for prompt ids."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+    return [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
+
+
+def new_cache(kind: str, model):
+    """An empty cache of `kind` and the attention implementation that reads it."""
+    from transformers import DynamicCache, QuantizedCache
+
+    from .cache import PnMixCache
+
+    if kind == "dynamic":
+        return DynamicCache(config=model.config), "sdpa"
+    if kind == "quanto4":
+        return QuantizedCache(backend="quanto", config=model.config, nbits=4), "sdpa"
+    return PnMixCache(model_config=model.config), "pnmix"
+
+
+def filled_cache(kind: str, model, keys: list, values: list, context: int):
+    """A cache of `kind` holding the first `context` prompt tokens, filled the way the model's
+    prefill fills it (one update per layer with the prompt's K/V; the causal prefix of a longer
+    prompt has the same K/V), and the attention implementation that reads it."""
+    cache, attn = new_cache(kind, model)
+    for layer, (k, v) in enumerate(zip(keys, values)):
+        cache.update(k[:, :, :context].clone(), v[:, :, :context].clone(), layer)
+        if kind == "pnmix":
+            cache.layers[layer].packed_attention = True  # what the pnmix attention marks at a prefill
+    return cache, attn
+
+
+def cache_memory(kind: str, cache) -> tuple[int, int]:
+    """(bytes the cache holds, bytes its own tensors take as allocated, capacity included)."""
+    from .evaluate import dynamic_cache_bytes, quantized_cache_bytes
+
+    if kind == "pnmix":
+        return cache.persistent_bytes(), cache.allocated_bytes()
+    held = quantized_cache_bytes(cache) if kind == "quanto4" else dynamic_cache_bytes(cache)
+    return held, held
+
+
+def layer_copy_bytes(kind: str, model, tokens: int, batch: int) -> int:
+    """The full-precision K/V one layer's update builds per decode step next to what it holds:
+    DynamicCache's torch.cat makes the grown K/V while the old ones live; QuantizedCache
+    dequantizes the layer and concatenates (two copies); the packed path makes none."""
+    if kind == "pnmix":
+        return 0
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    one = 2 * batch * config.num_key_value_heads * tokens * head_dim * next(model.parameters()).element_size()
+    return one if kind == "dynamic" else 2 * one
+
+
+@torch.no_grad()
+def time_decode(model, cache, attn: str, first: torch.Tensor, new_tokens: int, kind: str) -> Dict[str, Any]:
+    """Greedy decode of new_tokens after one untimed step; tokens/s and the cache's memory."""
+    model.set_attn_implementation(attn)
+    out = model(input_ids=first, cache=cache, use_cache=True)  # warm-up: first call of each layer path
+    peak = 0
+    elapsed = 0.0
+    for _ in range(new_tokens):
+        token = out.logits[:, -1:].argmax(-1)
+        start = time.perf_counter()
+        out = model(input_ids=token, cache=out.cache, use_cache=True)
+        elapsed += time.perf_counter() - start
+        peak = max(peak, cache_memory(kind, out.cache)[1])
+    held, _ = cache_memory(kind, out.cache)
+    tokens = out.cache.get_seq_length()
+    return {"tokens_per_s": first.shape[0] * new_tokens / elapsed, "decode_seconds": elapsed,
+            "cache_bytes": held, "peak_bytes": peak + layer_copy_bytes(kind, model, tokens, first.shape[0]),
+            "backend": getattr(out.cache, "ops_name", None)}
+
+
+def run_generate_bench(model, contexts: List[int], new_tokens: int = 64, caches: tuple = GENERATE_CACHES,
+                       seed: int = 0) -> Dict[str, Any]:
+    """The benchmark as data: {"results": [{"cache", "context", "tokens_per_s", "cache_bytes",
+    "peak_bytes", ...}], "skipped": [...], ...}. One prefill, at the longest context, serves every
+    cache and context (random prompt tokens; the first decode input is the prompt's next token)."""
+    from . import register
+
+    register()
+    if not 1 <= new_tokens <= MAX_NEW_TOKENS:
+        raise PnMixError(f"--new-tokens must be 1..{MAX_NEW_TOKENS}, got {new_tokens}")
+    longest = max(contexts)
+    limit = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+    if limit and longest + new_tokens + 1 > limit:
+        raise PnMixError(f"--contexts {longest} + {new_tokens + 1} new tokens exceed the model's "
+                         f"{limit} positions")
+    vocab = int(model.config.vocab_size)
+    ids = torch.randint(1, vocab, (1, longest + 1), generator=torch.Generator().manual_seed(seed))
+    model.set_attn_implementation("sdpa")
+    start = time.perf_counter()
+    keys, values = prefill_kv(model, ids[:, :longest])
+    prefill_seconds = time.perf_counter() - start
+    skipped = {}
+    if "quanto4" in caches and quanto_unavailable_reason() is not None:
+        skipped["quanto4"] = quanto_unavailable_reason()
+    results = []
+    for context in contexts:
+        for kind in caches:
+            if kind in skipped:
+                continue
+            cache, attn = filled_cache(kind, model, keys, values, context)
+            row = time_decode(model, cache, attn, ids[:, context:context + 1], new_tokens, kind)
+            results.append({"cache": kind, "context": context, **row})
+            del cache
+    _add_generate_ratios(results)
+    return {"model": getattr(model.config, "_name_or_path", "") or model.config.model_type,
+            "layers": model.config.num_hidden_layers, "dtype": str(model.dtype).replace("torch.", ""),
+            "threads": torch.get_num_threads(), "new_tokens": new_tokens, "contexts": contexts,
+            "prefill_tokens": longest, "prefill_seconds": prefill_seconds, "results": results,
+            "skipped": [{"cache": name, "reason": why} for name, why in skipped.items()]}
+
+
+def _add_generate_ratios(results: List[dict]) -> None:
+    dynamic = {r["context"]: r for r in results if r["cache"] == "dynamic"}
+    for r in results:
+        base = dynamic.get(r["context"])
+        if base is not None:
+            r["speedup_vs_dynamic"] = r["tokens_per_s"] / base["tokens_per_s"]
+            r["memory_saving_vs_dynamic"] = base["cache_bytes"] / r["cache_bytes"]
+
+
+def print_generate_report(report: Dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    mb = 1e6
+    table = Table(title=(f"pnmix bench generate: {report['model']}, {report['layers']} layers, {report['dtype']}, "
+                         f"{report['threads']} threads, {report['new_tokens']} new tokens"))
+    for column in ("context", "cache", "backend", "decode tok/s", "vs dynamic", "cache MB", "peak MB",
+                   "memory vs dynamic"):
+        table.add_column(column, justify="left" if column in ("cache", "backend") else "right")
+    for r in report["results"]:
+        ratio = r.get("speedup_vs_dynamic")
+        saving = r.get("memory_saving_vs_dynamic")
+        table.add_row(str(r["context"]), r["cache"], r["backend"] or "-", f"{r['tokens_per_s']:.1f}",
+                      "-" if ratio is None else f"{ratio:.2f}x", f"{r['cache_bytes'] / mb:.2f}",
+                      f"{r['peak_bytes'] / mb:.2f}", "-" if saving is None else f"{saving:.1f}x smaller")
+    console = Console(width=160)
+    console.print(table)
+    console.print(f"one prefill of {report['prefill_tokens']} tokens ({report['prefill_seconds']:.1f} s) served every "
+                  "row; peak = the cache's tensors as allocated plus the full-precision K/V copy one layer's "
+                  "update makes per step", highlight=False)
+    for s in report["skipped"]:
+        console.print(f"[yellow]skipped[/] {s['cache']}: {s['reason']}", highlight=False)
+
+
+def generate_command(model: str, contexts: str, new_tokens: int, threads: Optional[int],
+                     json_path: Optional[Path]) -> int:
+    """The CLI's `pnmix bench generate` (pnmix/cli.py): print the table, write JSON, return 0."""
+    from .models import load_causal_lm, load_model_config, resolve_model
+
+    if json_path is not None:
+        check_output_path(json_path)
+    wanted = parse_contexts(contexts)
+    if threads is not None:
+        if not 1 <= threads <= 1024:
+            raise PnMixError(f"--threads must be 1..1024, got {threads}")
+        torch.set_num_threads(threads)
+    source = resolve_model(model)
+    config = load_model_config(source)
+    lm = load_causal_lm(source, "fp32", model_config=config)
+    report = run_generate_bench(lm, wanted, new_tokens)
+    report["model"] = source.name
+    print_generate_report(report)
+    if json_path is not None:
+        write_json_atomic(json_path, report)
+    return 0
 
 
 def main(argv: List[str] | None = None) -> int:
