@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import signal
 import sys
 import traceback
@@ -371,7 +372,7 @@ def main_entry() -> int:
         where = f" (see: {exc.ctx.command_path} --help)" if exc.ctx is not None else ""
         _print_error(f"{exc.format_message()}{where}")
         code = exc.exit_code
-    except click.exceptions.Abort:
+    except typer.Abort:
         _print_error("aborted")
         code = ERROR_EXIT
     except Terminated as exc:  # outside a command (while parsing, importing)
@@ -380,13 +381,25 @@ def main_entry() -> int:
     except KeyboardInterrupt:
         _print_error("interrupted")
         code = ERROR_EXIT
+    for signum in ENDING_SIGNALS:  # the work is done: a late signal ends the process as usual
+        signal.signal(signum, signal.SIG_DFL)
     sys.stdout.flush()
     sys.stderr.flush()
-    return code if isinstance(code, int) else 0
+    code = code if isinstance(code, int) else 0
+    if code - SIGNAL_EXIT in ENDING_SIGNALS:
+        # Cleaned up already; the interpreter's own teardown may meet a C extension that the
+        # signal interrupted mid-import, so it is skipped, as the signal itself would have.
+        os._exit(code)
+    return code
 
 
 def _raise_terminated(signum: int, frame: Any) -> None:
-    raise Terminated(signum)
+    if not _terminated:  # once: a second signal must not interrupt the clean-up of the first
+        _terminated.append(signum)
+        raise Terminated(signum)
+
+
+_terminated: List[int] = []
 
 
 class PipeSafeStream:
@@ -411,8 +424,6 @@ class PipeSafeStream:
             self._discard()
 
     def _discard(self) -> None:
-        import os
-
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, self._stream.fileno())  # the buffered rest goes there too, silently
         os.close(devnull)

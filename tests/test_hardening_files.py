@@ -444,6 +444,35 @@ def test_a_signal_during_a_write_leaves_no_temporary_and_the_old_output(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["c.json", target.name])
 
 
+def _catches_sigterm(pid: int) -> bool:
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(line for line in f if line.startswith("SigCgt:")).split()[1]
+    return bool(int(mask, 16) & (1 << (signal.SIGTERM - 1)))
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05, 0.3])  # the run itself takes seconds
+def test_a_signal_at_any_point_of_a_command_is_one_line_and_leaves_nothing(tmp_path, delay):
+    """SIGTERM as soon as the entry point catches it (while Typer parses, while the command imports
+    and runs): `error: terminated by SIGTERM`, exit 143, the old output as it was."""
+    if not Path("/proc/self/status").exists():
+        pytest.skip("needs /proc to see when the entry point catches SIGTERM")
+    import time
+
+    target = tmp_path / "out.json"
+    target.write_bytes(SENTINEL)
+    process = start(["reproduce", "--seeds", "42,43,44", "--json", target])
+    began = time.monotonic()
+    while not _catches_sigterm(process.pid):
+        assert process.poll() is None and time.monotonic() - began < TIMEOUT, "the entry point never catches SIGTERM"
+        time.sleep(0.005)
+    time.sleep(delay)
+    process.send_signal(signal.SIGTERM)
+    done = finish(process)
+    assert done.returncode == 128 + signal.SIGTERM, (done.returncode, done.stderr)
+    assert [line for line in done.stderr.splitlines() if line.strip()] == ["error: terminated by SIGTERM"]
+    assert target.read_bytes() == SENTINEL and [p.name for p in tmp_path.iterdir()] == ["out.json"]
+
+
 # ---------------------------------------------------------------------------------------
 # 5. Names and permissions of outputs
 # ---------------------------------------------------------------------------------------
