@@ -83,7 +83,7 @@ def test_a_handed_over_prefill_decodes_exactly_like_a_prefill_run_with_the_cache
     with evaluate.attention(tiny, evaluate.attention_for(method)):
         cache = evaluate.make_cache(method, tiny.config)
         with torch.no_grad():
-            prefill_logits = tiny(input_ids=ids[:, :300], cache=cache).logits[0, -1]
+            prefill_logits = tiny(input_ids=ids[:, :300], cache=cache, logits_to_keep=1).logits[0, -1]
         own = torch.stack([evaluate.decode_step(tiny, cache, t) for t in fed])
     shared = evaluate.run_prefill(tiny, ids[:, :300])
     handed = evaluate.teacher_forced(tiny, method, shared, fed)
@@ -175,6 +175,34 @@ def test_passkey_haystack_has_the_length_asked_for():
         needle = text.encode(evaluate.NEEDLE.format(key="12345"))
         assert hay.suffix[:len(needle)] == needle
     assert evaluate.first_number(" 12345. Remember") == "12345" and evaluate.first_number(" none") is None
+
+
+def test_a_tokenizer_saved_with_the_model_is_used(tiny_dir, tmp_path):
+    """A byte-level BPE of exactly 256 ids (no merges), saved beside a copy of the model; a folder
+    without one is fed UTF-8 bytes."""
+    import shutil
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from pnmix.hf.models import load_model_config, resolve_model
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=256, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tokenizer.train_from_iterator(["a"], trainer)
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_dir, folder)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(folder)
+    for path, bytes_fallback in ((tiny_dir, True), (folder, False)):
+        source = resolve_model(path)
+        text = evaluate.load_text_tokens(source, load_model_config(source))
+        assert (text.name == "utf-8 bytes") == bytes_fallback
+        assert text.decode(text.encode("The pass key is 12345.")) == "The pass key is 12345."
+    result, _ = invoke(folder, "--methods", "pnmix", "--contexts", 64, "--decode-tokens", 8)
+    assert result.exit_code == 0, result.output
 
 
 # ---- bad input: one line, exit 2 ----------------------------------------------------------------
