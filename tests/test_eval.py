@@ -48,13 +48,11 @@ def spec_bytes(config, kv_heads: int, head_dim: int, tokens: int) -> int:
 
 
 def tiny_llama(seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from pnmix.hf.speed import random_llama
 
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
-                         num_attention_heads=4, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-                         max_position_embeddings=1024, pad_token_id=0, eos_token_id=None, bos_token_id=None)
-    return LlamaForCausalLM(config).eval()
+    model = random_llama(LAYERS, 64, 4, KV_HEADS, HEAD_DIM, seed=seed)
+    model.config.max_position_embeddings = 1024  # a short model: the too-long errors are cheap to reach
+    return model
 
 
 @pytest.fixture(scope="module")
