@@ -325,7 +325,10 @@ def kl_task(model, methods: List[Method], ids: torch.Tensor, context: int, decod
                      "ppl_delta": figures["perplexity"] - (rows[0]["perplexity"] if rows else figures["perplexity"]),
                      "top1": figures["top1"], "bytes": run.bytes, "bits_per_element": 8 * run.bytes / elements,
                      "tokens_per_s": 1.0 / run.seconds})
-        progress(f"kl P={context} {method.name}: KL {rows[-1]['kl']:.4g}, {1 / run.seconds:.2f} tokens/s")
+        row = rows[-1]
+        progress(f"kl P={context} {method.name}: KL {row['kl']:.4g}, perplexity {row['perplexity']:.4f} "
+                 f"({row['ppl_delta']:+.4f}), top-1 {row['top1']:.4f}, {row['bytes']} bytes "
+                 f"({row['bits_per_element']:.3f} bits/element), {row['tokens_per_s']:.2f} tokens/s")
     return rows
 
 
