@@ -279,7 +279,7 @@ def test_smollm2_every_preset_and_a_passkey_cell(tmp_path):
     for name, row in rows.items():
         assert 0.0 <= row["top1"] <= 1.0 and math.isfinite(row["perplexity"])
         if name != REFERENCE:  # a real model's keys and values do not survive quantization unchanged
-            assert row["kl"] > 0.0 and row["bytes"] < rows[REFERENCE]["bytes"] / 4
+            assert row["kl"] > 0.0 and row["bytes"] < rows[REFERENCE]["bytes"] / 2
     pn_config = evaluate.pnmix_config(METHODS["pnmix"], model_config)
     assert rows["pnmix"]["bytes"] == layers * spec_bytes(pn_config, kv_heads, head_dim, 576)
     assert rows["pnmix"]["bytes"] == rows["uniform2"]["bytes"]  # the ablation holds the same bytes
