@@ -338,18 +338,28 @@ def build_engine(
           max_seq_len=max_seq_len)
 
 
-@app.command("hf-eval")
+@app.command("eval")
 @one_line_errors
-def hf_eval(
-    model_dir: Path = typer.Argument(..., help="A local Hugging Face model directory."),
-    text: Path = typer.Option(..., help="A UTF-8 text file to evaluate on."),
-    prompt_tokens: int = typer.Option(1024, help="Tokens of the text to use."),
-    config: Optional[Path] = typer.Option(None, help="JSON of pn-mix config fields."),
+def eval_model(
+    model: Optional[str] = typer.Argument(None, help="A Hugging Face folder, a .gguf file, or smollm2-135m."),
+    methods: Optional[str] = typer.Option(None, help="Comma list of methods (default: all); 'list' prints them."),
+    config: Optional[Path] = typer.Option(None, help="JSON of pn-mix config fields: one more method, 'config'."),
+    task: str = typer.Option("kl", help="kl, passkey, or kl,passkey."),
+    contexts: str = typer.Option("1024", help="Comma list of prefill lengths P (task kl)."),
+    decode_tokens: int = typer.Option(256, help="Teacher-forced decode steps D after each prefill (task kl)."),
+    text: Optional[Path] = typer.Option(None, help="A UTF-8 text file (default: the bundled Hamlet)."),
+    lengths: str = typer.Option("1024,2048,4096,8192", help="Comma list of passkey sequence lengths in tokens."),
+    depths: str = typer.Option("0.1,0.3,0.5,0.7,0.9", help="Comma list of passkey depths in [0, 1]."),
+    trials: int = typer.Option(5, help="Seeded pass keys per (length, depth) cell."),
+    seed: int = typer.Option(0, help="Seed of the pass keys."),
+    dtype: str = typer.Option("fp32", help="fp32, fp16 or bf16 model weights."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
+    plot: Optional[Path] = typer.Option(None, help="Draw the figures into this PNG (needs matplotlib)."),
 ) -> None:
-    """Teacher-forced KL and perplexity of PnMixCache and QuantizedCache vs full precision."""
-    _call("pnmix.hf.evaluate", "hf_eval_command", model_dir=model_dir, text=text,
-          prompt_tokens=prompt_tokens, config=config, json_path=json_path)
+    """KV-cache methods (pn-mix, KIVI, uniform, quanto) on a real model vs full precision: KL, perplexity, passkey."""
+    _call("pnmix.hf.evaluate", "eval_command", model=model, methods=methods, config=config, task=task,
+          contexts=contexts, decode_tokens=decode_tokens, text=text, lengths=lengths, depths=depths,
+          trials=trials, seed=seed, dtype=dtype, json_path=json_path, plot=plot)
 
 
 def main_entry() -> int:

@@ -3,7 +3,7 @@
 Tests skip only for what the repository cannot provide: a GPU, TensorRT (headers or runtime), an
 optional package, a C++ compiler. The one in-repo exception is libpnmix_core, which a source
 checkout may not have built yet: its tests skip with a reason that starts "libpnmix_core". Where
-the library must exist (CI sets PNMIX_REQUIRE_CORE=1; an installed pnmix always has pnmix/lib),
+the library must exist (an installed pnmix, as in CI, always has pnmix/lib; PNMIX_REQUIRE_CORE=1 asks for it in a checkout),
 such a skip fails the test instead, so a packaging regression cannot hide as skips.
 """
 

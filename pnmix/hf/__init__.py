@@ -4,8 +4,8 @@
   ``model.generate(..., past_key_values=PnMixCache())`` (or ``cache=``) or to forward calls.
 * the ``pnmix`` attention implementation (registered on import): reads the packed cache through
   the backend kernels instead of a dequantized copy.
-* ``pnmix hf-eval`` (pnmix.hf.evaluate): KL and perplexity against the full-precision cache, next
-  to transformers' 2-bit QuantizedCache.
+* ``pnmix eval`` (pnmix.hf.evaluate): KV-cache methods (pn-mix, KIVI, uniform, quanto) on a real model,
+  scored against full precision: KL, perplexity, top-1, passkey retrieval (docs/EVAL.md).
 """
 
 from .attention import ATTENTION_NAME, pnmix_attention_forward, register

@@ -308,6 +308,13 @@ class PnMixCache(Cache):
             self.layers.append(layer)
         return out
 
+    def mark_packed_attention(self) -> None:
+        """Decode every layer under the pnmix attention from now on. A prefill forward call under
+        that attention says so itself; a cache whose prefill K/V came through update() outside a
+        forward call (pnmix eval hands one prefill to many caches) says so here."""
+        for layer in self.layers:
+            layer.packed_attention = True
+
     def persistent_bytes(self) -> int:
         """Bytes the cache holds: the used part of every layer's packed state (SPEC section 2)."""
         return sum(layer.persistent_bytes() for layer in self.layers)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import PnMixError, describe
+from ..io import check_input_file
 from ._deps import require_transformers
 
 # The Llama family: RMSNorm, rotate_half RoPE, grouped-query attention, gated MLP. The exporter,
@@ -83,10 +84,14 @@ def resolve_model(spec: str | Path) -> ModelSource:
         return _packaged_source(text)
     path = Path(text).expanduser()
     if path.is_dir():
-        if not (path / "config.json").is_file():
+        if not (path / "config.json").exists():
             raise PnMixError(f"not a Hugging Face model folder (no config.json): {path}")
+        for entry in sorted(path.iterdir()):  # transformers opens them: a FIFO would hang it
+            if not entry.is_dir():
+                check_input_file(entry, "model")
         return ModelSource(text, path)
     if path.is_file():
+        check_input_file(path, "model")
         if path.suffix.lower() != ".gguf":
             raise PnMixError(f"MODEL must be a Hugging Face folder, a .gguf file or one of "
                              f"{', '.join(PACKAGED_MODELS)}; got the file {path}")
