@@ -75,6 +75,20 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Causal GQA attention of the new tokens over themselves (transformers' eager attention),
+    fp32 [B, Hq, n, D]."""
+    repeat = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(repeat, dim=1)
+    v = v.repeat_interleave(repeat, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * head_dim ** -0.5
+    n = q.shape[2]
+    future = torch.ones(n, n, dtype=torch.bool).triu(1)
+    scores = scores.masked_fill(future, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return torch.matmul(probs, v).float()
+
+
 class RMSNorm(nn.Module):
     """transformers' LlamaRMSNorm: the statistics in fp32, the weight applied in the model dtype."""
 
@@ -127,6 +141,9 @@ class DecoderLayer(nn.Module):
         k = (k * cos) + (rotate_half(k) * sin)
         q16, k16, v16 = q.to(torch.float16), k.to(torch.float16), v.to(torch.float16)
         attn = torch_ops.attention(q16, k16, v16, seq_len, new_len, state, config, max_seq_len)
+        # A prefill has nothing packed to read: like PnMixCache (pnmix.hf), it attends over the
+        # prompt's own K/V in the model's precision. The fp16 op result is selected otherwise.
+        attn = torch.where(seq_len == 0, self_attention(q, k, v, d.head_dim), attn)
         present = torch_ops.append(k16, v16, seq_len, new_len, state, config, max_seq_len)
         attn = attn.to(x.dtype).transpose(1, 2).reshape(batch, n, d.q_heads * d.head_dim)
         x = x + self.o_proj(attn)

@@ -175,12 +175,21 @@ def verify(
     seeds: Optional[str] = typer.Option(None, help="Comma-separated seeds (default: the manifest's)."),
     device: str = typer.Option("cpu", help="cpu or cuda (triton on cuda, engine always cuda)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report here."),
+    model: Optional[str] = typer.Option(None, help="With --onnx: the LLM the file was exported from (HF folder, .gguf, packaged name)."),
+    text: Optional[Path] = typer.Option(None, help="With --model: the text whose tokens are fed (default: the bundled one)."),
+    prompt_tokens: int = typer.Option(32, help="With --model: prompt tokens (one prefill)."),
+    decode_tokens: int = typer.Option(8, help="With --model: greedy decode steps checked."),
 ) -> None:
     """Run the protocol through one backend and compare it with the PyTorch reference."""
     from .config import run_config
     from .manifest import load_manifest
     from .verify import verify as run_verify
 
+    if model is not None:
+        if onnx is None or backend or engine:
+            raise PnMixError("--model verifies an exported LLM file: give it with --onnx FILE only")
+        _call("pnmix.export.llm_verify", "verify_llm_command", onnx_path=onnx, model=model, text=text,
+              prompt_tokens=prompt_tokens, decode_tokens=decode_tokens, json_path=json_path)
     chosen = [name for name, given in (("backend", backend), ("onnx", onnx), ("engine", engine)) if given]
     if len(chosen) != 1:
         raise PnMixError("give exactly one of --backend NAME, --onnx MODEL or --engine PLAN")
@@ -253,10 +262,31 @@ def export(
     batch: int = typer.Option(1, help="Batch size of the cache state."),
     opset: int = typer.Option(18, help="ONNX default-domain opset."),
     seed: int = typer.Option(42, help="Seed of the diagnostic model's weights."),
+    model: Optional[str] = typer.Option(None, help="A Llama-family LLM (HF folder, .gguf file, packaged name) instead of the diagnostic model."),
+    dtype: str = typer.Option("fp32", help="With --model: fp32 or fp16 weights."),
 ) -> None:
-    """Export the diagnostic model with pn-mix custom ops to ONE ONNX file."""
+    """Export the diagnostic model, or with --model a whole LLM, with pn-mix custom ops to ONE ONNX file."""
+    if model is not None:
+        _call("pnmix.export.llm", "export_llm_command", model=model, output=output,
+              max_seq_len=max_seq_len, config=config, dtype=dtype)
     _call("pnmix.export.exporter", "export_command", output=output, config=config, manifest=manifest,
           max_seq_len=max_seq_len, batch=batch, opset=opset, seed=seed)
+
+
+@app.command()
+@one_line_errors
+def generate(
+    model: Path = typer.Argument(..., help="An LLM file from `pnmix export --model`."),
+    tokenizer: str = typer.Option(..., help="The model whose tokenizer to use (HF folder, .gguf, packaged name)."),
+    prompt: Optional[str] = typer.Option(None, help="The prompt text."),
+    prompt_file: Optional[Path] = typer.Option(None, help="A UTF-8 file holding the prompt."),
+    max_new_tokens: int = typer.Option(32, help="Tokens to generate (greedy)."),
+    threads: Optional[int] = typer.Option(None, help="CPU threads (default: ONNX Runtime's)."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the text and figures here."),
+) -> None:
+    """Greedy generation from an exported LLM file in ONNX Runtime with the packed cache."""
+    _call("pnmix.export.generate", "generate_command", model=model, tokenizer=tokenizer, prompt=prompt,
+          prompt_file=prompt_file, max_new_tokens=max_new_tokens, json_path=json_path, threads=threads)
 
 
 @bench_app.command("decode")
