@@ -316,10 +316,17 @@ def bench_onnx(
     max_seq_len: int = typer.Option(4096, help="Cache capacity of the exported model."),
     context: Optional[int] = typer.Option(None, help="Tokens in the cache when timing (default: max_seq_len - 1)."),
     repeats: int = typer.Option(20, help="Timed decode steps."),
-    model: Optional[Path] = typer.Option(None, help="An exported ONNX file (default: export one to a temporary folder)."),
+    model: Optional[str] = typer.Option(None, help="An exported diagnostic .onnx file (default: export one), or an LLM (HF folder, .gguf, packaged name)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
+    contexts: str = typer.Option("512,2048,4096", help="With an LLM: contexts to time at."),
+    peer: str = typer.Option("auto", help="With an LLM: auto (build with onnxruntime-genai), none, or a builder output folder."),
+    onnx: Optional[Path] = typer.Option(None, help="With an LLM: its file from `pnmix export --model` (default: export one)."),
 ) -> None:
     """Export time, file size and ONNX Runtime CPU time per decode step vs the PyTorch reference."""
+    if model is not None and not model.endswith(".onnx"):
+        _call("pnmix.export.llm_bench", "bench_llm_command", model=model, contexts=contexts, repeats=repeats,
+              onnx_path=onnx, peer=peer, json_path=json_path)
+    model = Path(model) if model is not None else None
     _call("pnmix.export.bench", "bench_command", max_seq_len=max_seq_len, context=context,
           repeats=repeats, model=model, json_path=json_path)
 
