@@ -178,13 +178,14 @@ def generate_command(model: Path, tokenizer: str, prompt: Optional[str], prompt_
         **session.cache_bytes(),
     }
     print(text + completion)
-    print(f"prefill {len(ids)} tokens: {_rate(report['prefill_tokens_per_s'])} tokens/s; decode "
-          f"{decode_steps} tokens: {_rate(report['decode_tokens_per_s'])} tokens/s ({session.provider}); "
+    print(f"prefill {len(ids)} tokens: {rate_text(report['prefill_tokens_per_s'])} tokens/s; decode "
+          f"{decode_steps} tokens: {rate_text(report['decode_tokens_per_s'])} tokens/s ({session.provider}); "
           f"packed cache {report['persistent_cache_bytes']} bytes used, {report['allocated_bytes']} allocated")
     if json_path is not None:
         write_json_atomic(json_path, report)
     return 0
 
 
-def _rate(value: Optional[float]) -> str:
-    return "-" if value is None else f"{value:.1f}"
+def rate_text(value: Optional[float], digits: int = 1) -> str:
+    """A tokens/s figure for a table, "-" where there is none."""
+    return "-" if value is None else f"{value:.{digits}f}"

@@ -26,7 +26,7 @@ import numpy as np
 
 from pnmix.errors import PnMixError
 
-from .generate import LlmSession
+from .generate import LlmSession, rate_text
 
 DEFAULT_CONTEXTS = (512, 2048, 4096)
 
@@ -166,12 +166,8 @@ def bench_llm_command(model: str, contexts: str, repeats: int, onnx_path: Option
     for row in report["rows"]:
         mine, peer_row = row["pnmix"], row.get("peer", {})
         print(f"{row['context']:>8} {mine['prefill_tokens_per_s']:>16.1f} {mine['decode_tokens_per_s']:>15.2f} "
-              f"{_num(peer_row.get('prefill_tokens_per_s')):>15} {_num(peer_row.get('decode_tokens_per_s')):>14} "
+              f"{rate_text(peer_row.get('prefill_tokens_per_s'), 2):>15} {rate_text(peer_row.get('decode_tokens_per_s'), 2):>14} "
               f"{mine['kv_bytes']:>15} {row['fp32_kv_bytes']:>14} {row['fp16_kv_bytes']:>14}")
     if json_path is not None:
         write_json_atomic(json_path, report)
     return 0
-
-
-def _num(value: Optional[float]) -> str:
-    return "-" if value is None else f"{value:.2f}"

@@ -225,6 +225,29 @@ def _add_profiles(trt, builder, network, config, shapes, capacity: int) -> None:
         config.add_optimization_profile(profile)
 
 
+def parse_and_build(model: Path, prepared: bytes, plugins: Path, shapes, capacity: int, refit: bool):
+    """(trt, serialized engine) of a prepared ONNX model: plugins loaded, parsed, the profiles added."""
+    trt = import_tensorrt()
+    require_gpu()
+    load_plugins(trt, plugins)
+    log = _Logger(trt).logger
+    builder = trt.Builder(log)
+    network = builder.create_network(_network_flags(trt))
+    parser = trt.OnnxParser(network, log)
+    if not parser.parse(prepared):
+        first = parser.get_error(0) if parser.num_errors else None
+        reason = first.desc() if first is not None else log.last_error or "unknown parser error"
+        raise PnMixError(f"TensorRT's ONNX parser rejects {model}: {one_line(reason)}")
+    config = builder.create_builder_config()
+    if refit:
+        config.set_flag(trt.BuilderFlag.REFIT)
+    _add_profiles(trt, builder, network, config, shapes, capacity)
+    serialized = builder.build_serialized_network(network, config)
+    if serialized is None:
+        raise PnMixError(f"TensorRT could not build the engine: {log.last_error or 'see the log above'}")
+    return trt, serialized
+
+
 def build_engine(model: Path, plugins: Path, output: Path, fp16: bool = False, bf16: bool = False,
                  max_seq_len: Optional[int] = None) -> Dict[str, Any]:
     """Build and write the engine and its sidecar; returns the sidecar's content."""
@@ -239,24 +262,8 @@ def build_engine(model: Path, plugins: Path, output: Path, fp16: bool = False, b
     shapes = profile_shapes(info.max_seq_len, info.batch, max_seq_len)
     prepared = prepare_onnx(onnx_model).SerializeToString()
 
-    trt = import_tensorrt()
-    require_gpu()
-    load_plugins(trt, plugins)
-    log = _Logger(trt).logger
-    builder = trt.Builder(log)
-    network = builder.create_network(_network_flags(trt))
-    parser = trt.OnnxParser(network, log)
-    if not parser.parse(prepared):
-        first = parser.get_error(0) if parser.num_errors else None
-        reason = first.desc() if first is not None else log.last_error or "unknown parser error"
-        raise PnMixError(f"TensorRT's ONNX parser rejects {model}: {one_line(reason)}")
-    config = builder.create_builder_config()
     # Refittable, so that `pnmix verify --engine` can run every seed's weights through one engine.
-    config.set_flag(trt.BuilderFlag.REFIT)
-    _add_profiles(trt, builder, network, config, shapes, info.max_seq_len)
-    serialized = builder.build_serialized_network(network, config)
-    if serialized is None:
-        raise PnMixError(f"TensorRT could not build the engine: {log.last_error or 'see the log above'}")
+    trt, serialized = parse_and_build(model, prepared, plugins, shapes, info.max_seq_len, refit=True)
     sidecar = {
         "format": SIDECAR_FORMAT,
         "tensorrt_version": trt.__version__,
@@ -346,22 +353,7 @@ def build_llm_engine(model: Path, plugins: Path, output: Path, precision: str,
     shapes = llm_profile_shapes(info.max_seq_len, max_seq_len)
     proto = onnx.load(str(model))
     prepared = prepare_llm_onnx(proto).SerializeToString()
-    trt = import_tensorrt()
-    require_gpu()
-    load_plugins(trt, plugins)
-    log = _Logger(trt).logger
-    builder = trt.Builder(log)
-    network = builder.create_network(_network_flags(trt))
-    parser = trt.OnnxParser(network, log)
-    if not parser.parse(prepared):
-        first = parser.get_error(0) if parser.num_errors else None
-        reason = first.desc() if first is not None else log.last_error or "unknown parser error"
-        raise PnMixError(f"TensorRT's ONNX parser rejects {model}: {one_line(reason)}")
-    config = builder.create_builder_config()
-    _add_profiles(trt, builder, network, config, shapes, info.max_seq_len)
-    serialized = builder.build_serialized_network(network, config)
-    if serialized is None:
-        raise PnMixError(f"TensorRT could not build the engine: {log.last_error or 'see the log above'}")
+    trt, serialized = parse_and_build(model, prepared, plugins, shapes, info.max_seq_len, refit=False)
     sidecar = llm_sidecar(info, model, plugins, trt.__version__, precision, shapes)
     write_described_atomic(output, bytes(serialized), sidecar_path(output), sidecar)
     return sidecar
