@@ -267,6 +267,9 @@ def export(
 ) -> None:
     """Export the diagnostic model, or with --model a whole LLM, with pn-mix custom ops to ONE ONNX file."""
     if model is not None:
+        if (batch, opset, seed, manifest) != (1, 18, 42, None):
+            raise PnMixError("--batch, --opset, --seed and --manifest are options of the diagnostic model; "
+                             "an LLM file (--model) has batch 1, opset 18 and the model's weights")
         _call("pnmix.export.llm", "export_llm_command", model=model, output=output,
               max_seq_len=max_seq_len, config=config, dtype=dtype)
     _call("pnmix.export.exporter", "export_command", output=output, config=config, manifest=manifest,
