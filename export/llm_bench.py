@@ -31,6 +31,19 @@ from .generate import LlmSession, rate_text
 DEFAULT_CONTEXTS = (512, 2048, 4096)
 
 
+def names_an_llm(spec: str) -> bool:
+    """Whether `bench onnx --model` names an LLM (a folder, a .gguf file, a packaged name) rather
+    than a diagnostic .onnx file."""
+    path = Path(spec)
+    if path.is_dir() or spec.lower().endswith(".gguf"):
+        return True
+    if path.exists() or spec.lower().endswith(".onnx"):
+        return False
+    from pnmix.hf.models import PACKAGED_MODELS  # imports transformers: only for a bare name
+
+    return spec in PACKAGED_MODELS
+
+
 def _ids(tokenizer, count: int) -> List[int]:
     from .llm_verify import _default_text
 

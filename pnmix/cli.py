@@ -326,7 +326,9 @@ def bench_onnx(
     onnx: Optional[Path] = typer.Option(None, help="With an LLM: its file from `pnmix export --model` (default: export one)."),
 ) -> None:
     """Export time, file size and ONNX Runtime CPU time per decode step vs the PyTorch reference."""
-    if model is not None and not model.endswith(".onnx"):
+    from .export.llm_bench import names_an_llm
+
+    if model is not None and names_an_llm(model):
         _call("pnmix.export.llm_bench", "bench_llm_command", model=model, contexts=contexts, repeats=repeats,
               onnx_path=onnx, peer=peer, json_path=json_path)
     model = Path(model) if model is not None else None
