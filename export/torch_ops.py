@@ -3,9 +3,9 @@
 ``torch.ops.pnmix.attention`` and ``torch.ops.pnmix.append`` are what a traced model calls: the
 CPU implementation is the PyTorch reference (pnmix.reference.attend, pnmix.cache.append_reference),
 the fake implementation gives the output shapes, so ``torch.export`` sees each op as one opaque
-node. ``TRANSLATION_TABLE`` turns each into ONE ``pnmix::PnMixAttention`` / ``pnmix::PnMixAppend``
-node with the attributes of export/ops.py's table; ``attach_functions`` then adds the standard-op
-function bodies of export/ops.py (the same ones the diagnostic exporter writes), so ONNX Runtime
+node. ``translation_table()`` turns each into ONE ``pnmix::PnMixAttention`` / ``pnmix::PnMixAppend``
+node with the attributes of export/ops.py's table; the exporter (export/llm.py) then adds the
+standard-op function bodies of export/ops.py (the same ones the diagnostic exporter writes), so ONNX Runtime
 runs the file as is and TensorRT maps the nodes to the plugins.
 
 Both ops are functional (append returns the present state instead of writing in place): a traced
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, Sequence, Tuple
 
 import torch
 
@@ -148,19 +148,3 @@ def _append_onnx(k_new, v_new, seq_len, new_len, sink_k, sink_v, residual_k, res
 
 def translation_table() -> dict:
     return {torch.ops.pnmix.attention.default: _attention_onnx, torch.ops.pnmix.append.default: _append_onnx}
-
-
-def attach_functions(model, layout: CacheLayout, q_heads: int, opset: int) -> List[str]:
-    """Add the two ops' function bodies (export/ops.py) to an exported onnx.ModelProto, once;
-    every pn-mix node of the file shares the one layout. Returns the pn-mix op types found."""
-    from onnx import helper
-
-    found = sorted({n.op_type for n in model.graph.node if n.domain == ops.DOMAIN})
-    have = {(f.domain, f.name) for f in model.functions}
-    if (ops.DOMAIN, ops.ATTENTION_OP) not in have:
-        model.functions.append(ops.attention_function(layout, q_heads, opset))
-    if (ops.DOMAIN, ops.APPEND_OP) not in have:
-        model.functions.append(ops.append_function(layout, opset))
-    if not any(o.domain == ops.DOMAIN for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(ops.DOMAIN, ops.DOMAIN_VERSION))
-    return found
