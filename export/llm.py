@@ -235,6 +235,17 @@ class LlmFileInfo:
         return self.layout.max_seq_len
 
 
+def is_llm_file(path: Path) -> bool:
+    """Whether the file is an LLM file (metadata pnmix.kind = llm), read without its weights."""
+    import onnx
+
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except Exception:  # not readable as ONNX: the caller's own loader gives the one-line reason
+        return False
+    return any(p.key == META_PREFIX + "kind" and p.value == LLM_KIND for p in proto.metadata_props)
+
+
 def read_llm_info(path: Path) -> LlmFileInfo:
     """The metadata of an exported LLM file (the graph is read without its weights)."""
     import onnx

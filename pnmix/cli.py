@@ -185,6 +185,11 @@ def verify(
     from .manifest import load_manifest
     from .verify import verify as run_verify
 
+    if model is None and onnx is not None:
+        from .export.llm import is_llm_file
+
+        if is_llm_file(onnx):
+            raise PnMixError(f"{onnx} is an LLM file (pnmix export --model): verify it with --model MODEL")
     if model is not None:
         if onnx is None or backend or engine:
             raise PnMixError("--model verifies an exported LLM file: give it with --onnx FILE only")

@@ -256,6 +256,8 @@ def build_engine(model: Path, plugins: Path, output: Path, fp16: bool = False, b
     plugins = check_plugin_path(plugins)
     check_output_path(output)  # before the build, not after it
     precision = _precision_note(fp16, bf16)
+    from .export.llm import is_llm_file
+
     if is_llm_file(model):
         return build_llm_engine(model, plugins, output, precision, max_seq_len)
     onnx_model, info = read_onnx(model)
@@ -286,17 +288,6 @@ def build_engine(model: Path, plugins: Path, output: Path, fp16: bool = False, b
 # ---------------------------------------------------------------------------------------
 # The multi-layer LLM file (pnmix export --model): one attention/append pair per layer
 # ---------------------------------------------------------------------------------------
-
-
-def is_llm_file(model: Path) -> bool:
-    """Whether the file is an LLM file (metadata pnmix.kind = llm), read without its weights."""
-    import onnx
-
-    try:
-        proto = onnx.load(str(model), load_external_data=False)
-    except Exception:  # not readable as ONNX: read_onnx gives the one-line reason
-        return False
-    return any(p.key == "pnmix.kind" and p.value == "llm" for p in proto.metadata_props)
 
 
 def prepare_llm_onnx(model):

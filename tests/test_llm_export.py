@@ -196,7 +196,9 @@ def test_prompt_over_capacity_in_the_api(tiny):
 def test_llm_file_rewritten_for_tensorrt_pairs_every_layer(tiny):
     from pnmix import trt
 
-    assert trt.is_llm_file(tiny["onnx"])
+    from pnmix.export.llm import is_llm_file
+
+    assert is_llm_file(tiny["onnx"])
     model = onnx.load(str(tiny["onnx"]))
     prepared = trt.prepare_llm_onnx(model)
     assert not [f for f in prepared.functions if f.domain == ops.DOMAIN]
@@ -219,3 +221,7 @@ def test_build_engine_on_the_llm_file_without_tensorrt_says_so(tiny, tmp_path):
     proc = run_cli("build-engine", tiny["onnx"], "--plugins", plugins, "-o", tmp_path / "m.plan")
     _one_line_error(proc, "TensorRT")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["libpnmix_trt_plugins.so"]
+
+
+def test_verify_of_an_llm_file_without_model_says_to_give_it(tiny):
+    _one_line_error(run_cli("verify", "--onnx", tiny["onnx"]), "--model")
