@@ -6,6 +6,10 @@ This folder is the top-level `export/` of the repository; it is installed as the
 Modules: ``ops`` (the two ops: names, the attribute table, function bodies; ``pnmix_ops.json`` is
 its generated copy for the TensorRT plugins), ``exporter`` (``export_onnx``, ``build_model``,
 ``build_op_model``; `pnmix export`), ``modelfile`` (``load_checked``: reading a file with every
-check), and ``bench`` (`pnmix bench onnx`; ONNX Runtime's TensorRT EP is pnmix.backends.tensorrt.ort_ep). docs/OPS.md
+check), ``bench`` (`pnmix bench onnx`; ONNX Runtime's TensorRT EP is pnmix.backends.tensorrt.ort_ep).
+The LLM path (docs/OPS.md section 8): ``torch_ops`` (the ops as PyTorch custom ops and their ONNX
+translation), ``llama`` (the Llama-family decoder), ``llm`` (`pnmix export --model`, the file's
+metadata), ``generate`` (`pnmix generate`), ``llm_verify`` (`pnmix verify --onnx --model`),
+``llm_bench`` (`pnmix bench onnx --model`), ``tiny`` (a random tiny model for tests). docs/OPS.md
 describes the ops and the graph.
 """

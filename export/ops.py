@@ -133,6 +133,31 @@ def config_from_attributes(node: onnx.NodeProto) -> PnMixConfig:
     return PnMixConfig.from_mapping(fields)
 
 
+def _onnx_type(name: str) -> str:
+    if name in STATE_ONNX_TYPES:
+        return f"tensor({helper.tensor_dtype_to_np_dtype(STATE_ONNX_TYPES[name]).name})"
+    if name.startswith("present_"):
+        return _onnx_type(name[len("present_"):])
+    if name in LENGTH_INPUTS:
+        return "tensor(int64)"
+    return "tensor(float)" if name == "attention" else "tensor(float16)"
+
+
+def op_schema(op: str) -> "onnx.defs.OpSchema":
+    """An OpSchema of one op from the table (not registered with onnx: the file's local function
+    defines the op; this is what a graph builder such as onnxscript's tracer needs to emit a node)."""
+    from onnx.defs import OpSchema
+
+    spec = op_table()["ops"][op]
+    kinds = {"float": OpSchema.AttrType.FLOAT, "int": OpSchema.AttrType.INT, "string": OpSchema.AttrType.STRING}
+    return OpSchema(
+        op, DOMAIN, DOMAIN_VERSION,
+        inputs=[OpSchema.FormalParameter(name, _onnx_type(name)) for name in spec["inputs"]],
+        outputs=[OpSchema.FormalParameter(name, _onnx_type(name)) for name in spec["outputs"]],
+        attributes=[OpSchema.Attribute(row["name"], kinds[row["type"]], required=True) for row in op_attributes()],
+    )
+
+
 # ---------------------------------------------------------------------------------------
 # A tiny builder for function bodies
 # ---------------------------------------------------------------------------------------

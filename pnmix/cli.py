@@ -184,12 +184,26 @@ def verify(
     seeds: Optional[str] = typer.Option(None, help="Comma-separated seeds (default: the manifest's)."),
     device: str = typer.Option("cpu", help="cpu or cuda (triton on cuda, engine always cuda)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report here."),
+    model: Optional[str] = typer.Option(None, help="With --onnx: the LLM the file was exported from (HF folder, .gguf, packaged name)."),
+    text: Optional[Path] = typer.Option(None, help="With --model: the text whose tokens are fed (default: the bundled one)."),
+    prompt_tokens: int = typer.Option(32, help="With --model: prompt tokens (one prefill)."),
+    decode_tokens: int = typer.Option(8, help="With --model: greedy decode steps checked."),
 ) -> None:
     """Run the protocol through one backend and compare it with the PyTorch reference."""
     from .config import run_config
     from .manifest import load_manifest
     from .verify import verify as run_verify
 
+    if model is None and onnx is not None:
+        from .export.llm import is_llm_file
+
+        if is_llm_file(onnx):
+            raise PnMixError(f"{onnx} is an LLM file (pnmix export --model): verify it with --model MODEL")
+    if model is not None:
+        if onnx is None or backend or engine:
+            raise PnMixError("--model verifies an exported LLM file: give it with --onnx FILE only")
+        _call("pnmix.export.llm_verify", "verify_llm_command", onnx_path=onnx, model=model, text=text,
+              prompt_tokens=prompt_tokens, decode_tokens=decode_tokens, json_path=json_path)
     chosen = [name for name, given in (("backend", backend), ("onnx", onnx), ("engine", engine)) if given]
     if len(chosen) != 1:
         raise PnMixError("give exactly one of --backend NAME, --onnx MODEL or --engine PLAN")
@@ -262,10 +276,34 @@ def export(
     batch: int = typer.Option(defaults.EXPORT_BATCH, help="Batch size of the cache state."),
     opset: int = typer.Option(defaults.EXPORT_OPSET, help="ONNX default-domain opset."),
     seed: int = typer.Option(defaults.MODEL_SEED, help="Seed of the diagnostic model's weights."),
+    model: Optional[str] = typer.Option(None, help="A Llama-family LLM (HF folder, .gguf file, packaged name) instead of the diagnostic model."),
+    dtype: str = typer.Option("fp32", help="With --model: fp32 or fp16 weights."),
 ) -> None:
-    """Export the diagnostic model with pn-mix custom ops to ONE ONNX file."""
+    """Export the diagnostic model, or with --model a whole LLM, with pn-mix custom ops to ONE ONNX file."""
+    if model is not None:
+        if (batch, opset, seed, manifest) != (defaults.EXPORT_BATCH, defaults.EXPORT_OPSET, defaults.MODEL_SEED, None):
+            raise PnMixError("--batch, --opset, --seed and --manifest are options of the diagnostic model; "
+                             "an LLM file (--model) has batch 1, opset 18 and the model's weights")
+        _call("pnmix.export.llm", "export_llm_command", model=model, output=output,
+              max_seq_len=max_seq_len, config=config, dtype=dtype)
     _call("pnmix.export.exporter", "export_command", output=output, config=config, manifest=manifest,
           max_seq_len=max_seq_len, batch=batch, opset=opset, seed=seed)
+
+
+@app.command()
+@one_line_errors
+def generate(
+    model: Path = typer.Argument(..., help="An LLM file from `pnmix export --model`."),
+    tokenizer: str = typer.Option(..., help="The model whose tokenizer to use (HF folder, .gguf, packaged name)."),
+    prompt: Optional[str] = typer.Option(None, help="The prompt text."),
+    prompt_file: Optional[Path] = typer.Option(None, help="A UTF-8 file holding the prompt."),
+    max_new_tokens: int = typer.Option(32, help="Tokens to generate (greedy)."),
+    threads: Optional[int] = typer.Option(None, help="CPU threads (default: ONNX Runtime's)."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the text and figures here."),
+) -> None:
+    """Greedy generation from an exported LLM file in ONNX Runtime with the packed cache."""
+    _call("pnmix.export.generate", "generate_command", model=model, tokenizer=tokenizer, prompt=prompt,
+          prompt_file=prompt_file, max_new_tokens=max_new_tokens, json_path=json_path, threads=threads)
 
 
 @bench_app.command("decode")
@@ -309,10 +347,19 @@ def bench_onnx(
     max_seq_len: int = typer.Option(defaults.EXPORT_MAX_SEQ_LEN, help="Cache capacity of the exported model."),
     context: Optional[int] = typer.Option(None, help="Tokens in the cache when timing (default: max_seq_len - 1)."),
     repeats: int = typer.Option(defaults.BENCH_REPEATS, help="Timed decode steps."),
-    model: Optional[Path] = typer.Option(None, help="An exported ONNX file (default: export one to a temporary folder)."),
+    model: Optional[str] = typer.Option(None, help="An exported diagnostic .onnx file (default: export one), or an LLM (HF folder, .gguf, packaged name)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
+    contexts: str = typer.Option("512,2048,4096", help="With an LLM: contexts to time at."),
+    peer: str = typer.Option("auto", help="With an LLM: auto (build with onnxruntime-genai), none, or a builder output folder."),
+    onnx: Optional[Path] = typer.Option(None, help="With an LLM: its file from `pnmix export --model` (default: export one)."),
 ) -> None:
     """Export time, file size and ONNX Runtime CPU time per decode step vs the PyTorch reference."""
+    from .export.llm_bench import names_an_llm
+
+    if model is not None and names_an_llm(model):
+        _call("pnmix.export.llm_bench", "bench_llm_command", model=model, contexts=contexts, repeats=repeats,
+              onnx_path=onnx, peer=peer, json_path=json_path)
+    model = Path(model) if model is not None else None
     _call("pnmix.export.bench", "bench_command", max_seq_len=max_seq_len, context=context,
           repeats=repeats, model=model, json_path=json_path)
 

@@ -14,7 +14,8 @@
 #                           CUDA events (no per-step synchronization), tensor-core and SIMT paths
 #   7. TensorRT             only where `import tensorrt` works: build the plugins and the C++
 #                           example, their tests, export -> build-engine -> verify --engine
-#                           (verify_engine.json), pnmix_trt_run (prefill + 64 decode steps)
+#                           (verify_engine.json), pnmix_trt_run (prefill + 64 decode steps); the
+#                           multi-layer LLM file of a tiny random Llama -> build-engine
 # The transcript goes to $OUT/gpu_check.log (or build/gpu_check_logs/), with verify_triton.json, verify_cuda.json and
 # bench_decode.json (all benchmark figures) beside it: few files, as $OUT brings back only 8.
 # A failing step is reported and the later steps still run, so one lease gives every figure;
@@ -237,6 +238,14 @@ if [ "$TRT" = 1 ]; then
         if command -v trtexec >/dev/null; then  # trtexec's own plugin loading (random inputs would be bad lengths)
           run trt_trtexec 300 trtexec --loadEngine="$WORK/pnmix.plan" --dynamicPlugins="$PLUGINS" --skipInference
         fi
+      fi
+      # The multi-layer LLM file (pnmix export --model) on a tiny random Llama made here: the
+      # rewrite for the parser, the two profiles on input_ids, the sidecar.
+      run trt_llm_export 600 bash -c "python3 -c 'from pathlib import Path; from pnmix.export.tiny import make_tiny_model; make_tiny_model(Path(\"$WORK/tiny\"))' && python3 -m pnmix export --model '$WORK/tiny' -o '$WORK/llm.onnx' --max-seq-len 512"
+      if [ -f "$WORK/llm.onnx" ]; then
+        run trt_llm_build_engine 900 python3 -m pnmix build-engine "$WORK/llm.onnx" --plugins "$PLUGINS" \
+          -o "$WORK/llm.plan" --max-seq-len 256
+        [ -f "$WORK/llm.plan.json" ] && cat "$WORK/llm.plan.json"
       fi
     fi
   fi

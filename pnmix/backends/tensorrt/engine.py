@@ -217,17 +217,8 @@ def _add_profiles(trt, builder, network, config, shapes, capacity: int) -> None:
         config.add_optimization_profile(profile)
 
 
-def build_engine(model: Path, plugins: Path, output: Path, max_seq_len: Optional[int] = None) -> Dict[str, Any]:
-    """Build and write the engine and its sidecar; returns the sidecar's content."""
-    from ...io import check_output_path, write_described_atomic
-
-    plugins = check_plugin_path(plugins)
-    check_output_path(output)  # before the build, not after it
-    check_output_path(sidecar_path(output))  # its name is 5 bytes longer
-    onnx_model, info = read_onnx(model)
-    shapes = profile_shapes(info.max_seq_len, info.batch, max_seq_len)
-    prepared = prepare_onnx(onnx_model).SerializeToString()
-
+def parse_and_build(model: Path, prepared: bytes, plugins: Path, shapes, capacity: int, refit: bool):
+    """(trt, serialized engine) of a prepared ONNX model: plugins loaded, parsed, the profiles added."""
     trt = import_tensorrt()
     require_gpu()
     load_plugins(trt, plugins)
@@ -240,12 +231,31 @@ def build_engine(model: Path, plugins: Path, output: Path, max_seq_len: Optional
         reason = first.desc() if first is not None else log.last_error or "unknown parser error"
         raise PnMixError(f"TensorRT's ONNX parser rejects {model}: {one_line(reason)}")
     config = builder.create_builder_config()
-    # Refittable, so that `pnmix verify --engine` can run every seed's weights through one engine.
-    config.set_flag(trt.BuilderFlag.REFIT)
-    _add_profiles(trt, builder, network, config, shapes, info.max_seq_len)
+    if refit:
+        config.set_flag(trt.BuilderFlag.REFIT)
+    _add_profiles(trt, builder, network, config, shapes, capacity)
     serialized = builder.build_serialized_network(network, config)
     if serialized is None:
         raise PnMixError(f"TensorRT could not build the engine: {log.last_error or 'see the log above'}")
+    return trt, serialized
+
+
+def build_engine(model: Path, plugins: Path, output: Path, max_seq_len: Optional[int] = None) -> Dict[str, Any]:
+    """Build and write the engine and its sidecar; returns the sidecar's content."""
+    from ...export.llm import is_llm_file
+    from ...io import check_output_path, write_described_atomic
+
+    plugins = check_plugin_path(plugins)
+    check_output_path(output)  # before the build, not after it
+    check_output_path(sidecar_path(output))  # its name is 5 bytes longer
+    if is_llm_file(model):
+        return build_llm_engine(model, plugins, output, PRECISION, max_seq_len)
+    onnx_model, info = read_onnx(model)
+    shapes = profile_shapes(info.max_seq_len, info.batch, max_seq_len)
+    prepared = prepare_onnx(onnx_model).SerializeToString()
+
+    # Refittable, so that `pnmix verify --engine` can run every seed's weights through one engine.
+    trt, serialized = parse_and_build(model, prepared, plugins, shapes, info.max_seq_len, refit=True)
     sidecar = {
         "format": SIDECAR_FORMAT,
         "tensorrt_version": trt.__version__,
@@ -263,6 +273,83 @@ def build_engine(model: Path, plugins: Path, output: Path, max_seq_len: Optional
     # One step for both: a failure never leaves the new plan beside the old plan's description.
     write_described_atomic(output, bytes(serialized), sidecar_path(output), sidecar)
     return sidecar
+
+
+# ---------------------------------------------------------------------------------------
+# The multi-layer LLM file (pnmix export --model): one attention/append pair per layer
+# ---------------------------------------------------------------------------------------
+
+
+def prepare_llm_onnx(model):
+    """prepare_onnx for every layer: no pn-mix local functions, and each layer's append takes that
+    layer's attention output as its last input (the plugins' order: attention reads, then append
+    writes the state bound in place) and follows it in the node list. Layers pair up by their
+    new K: an append's k_new is its attention's."""
+    import onnx
+
+    from ...export import ops
+
+    prepared = onnx.ModelProto()
+    prepared.CopyFrom(model)
+    kept = [f for f in prepared.functions if f.domain != ops.DOMAIN]
+    del prepared.functions[:]
+    prepared.functions.extend(kept)
+    nodes = list(prepared.graph.node)
+    attention_of = {n.input[1]: n for n in nodes if n.domain == ops.DOMAIN and n.op_type == ops.ATTENTION_OP}
+    appends = [n for n in nodes if n.domain == ops.DOMAIN and n.op_type == ops.APPEND_OP]
+    if not appends or len(appends) != len(attention_of):
+        raise PnMixError(f"expected one {ops.ATTENTION_OP} per {ops.APPEND_OP} node, found {len(attention_of)} "
+                         f"and {len(appends)}")
+    for append in appends:
+        attention = attention_of.get(append.input[0])
+        if attention is None:
+            raise PnMixError(f"{ops.APPEND_OP} node {append.name or append.output[0]} has no {ops.ATTENTION_OP} "
+                             "over the same new K/V")
+        if len(append.input) != len(ops.APPEND_INPUTS):
+            raise PnMixError(f"{ops.APPEND_OP} has {len(append.input)} inputs, expected {len(ops.APPEND_INPUTS)}")
+        append.input.append(attention.output[0])
+        nodes.remove(append)
+        nodes.insert(nodes.index(attention) + 1, append)
+    del prepared.graph.node[:]
+    prepared.graph.node.extend(nodes)
+    return prepared
+
+
+def llm_profile_shapes(capacity: int, max_prefill: Optional[int]):
+    """profile_shapes for the LLM file's ``input_ids`` (batch 1)."""
+    return [{"input_ids": shape["tokens"]} for shape in profile_shapes(capacity, 1, max_prefill)]
+
+
+def build_llm_engine(model: Path, plugins: Path, output: Path, precision: str,
+                     max_seq_len: Optional[int]) -> Dict[str, Any]:
+    """build_engine for an LLM file: its graph rewritten for the parser with its weights loaded
+    (the parser takes one protobuf: files up to 2 GiB), the same two profiles, and a sidecar with
+    the file's model, layers and capacity."""
+    import onnx
+
+    from ...export.llm import read_llm_info
+    from ...io import write_described_atomic
+
+    info = read_llm_info(model)
+    shapes = llm_profile_shapes(info.max_seq_len, max_seq_len)
+    proto = onnx.load(str(model))
+    prepared = prepare_llm_onnx(proto).SerializeToString()
+    trt, serialized = parse_and_build(model, prepared, plugins, shapes, info.max_seq_len, refit=False)
+    sidecar = llm_sidecar(info, model, plugins, trt.__version__, precision, shapes)
+    write_described_atomic(output, bytes(serialized), sidecar_path(output), sidecar)
+    return sidecar
+
+
+def llm_sidecar(info, model: Path, plugins: Path, version: str, precision: str, shapes) -> Dict[str, Any]:
+    return {
+        "format": SIDECAR_FORMAT, "kind": "llm", "tensorrt_version": version,
+        "onnx": str(Path(model).resolve()), "plugins": str(Path(plugins).resolve()),
+        "config": info.config.to_dict(), "capacity": info.max_seq_len, "batch": 1, "seed": 0,
+        "model": info.model, "layers": info.layers, "vocab_size": info.vocab_size,
+        "precision": precision, "refittable": False,
+        "profiles": {"decode": DECODE_PROFILE, "prefill": PREFILL_PROFILE,
+                     "max_prefill": shapes[PREFILL_PROFILE]["input_ids"][2][1]},
+    }
 
 
 def sidecar_path(plan: Path) -> Path:

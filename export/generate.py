@@ -1,0 +1,191 @@
+"""`pnmix generate`: greedy decoding of an exported LLM file in ONNX Runtime with the packed cache.
+
+The prompt is ONE prefill call (all its tokens, new_len = n), then one call per new token; each
+call's present state is fed back as the next call's past state (numpy arrays here, as a runtime
+keeps them on its device). The CUDA execution provider is used when ONNX Runtime has it, else the
+CPU one.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from pnmix.errors import PnMixError, one_line
+from pnmix.format import STATE_NAMES
+
+from .llama import state_input_name, state_output_name
+from .llm import LlmFileInfo, check_tokenizer, read_llm_info
+
+
+def providers() -> List[str]:
+    import onnxruntime as ort
+
+    have = ort.get_available_providers()
+    return ["CUDAExecutionProvider", "CPUExecutionProvider"] if "CUDAExecutionProvider" in have \
+        else ["CPUExecutionProvider"]
+
+
+class LlmSession:
+    """One exported LLM file in ONNX Runtime, with its packed state between calls."""
+
+    def __init__(self, path: Path, threads: Optional[int] = None, info: Optional[LlmFileInfo] = None):
+        try:
+            import onnxruntime as ort
+        except ImportError:
+            raise PnMixError("onnxruntime is not installed: pip install onnxruntime") from None
+        self.info = info or read_llm_info(path)
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        if threads:
+            options.intra_op_num_threads = threads
+        try:
+            self.session = ort.InferenceSession(str(path), options, providers=providers())
+        except Exception as exc:  # ONNX Runtime raises its own exception types
+            raise PnMixError(f"ONNX Runtime cannot load {path}: {one_line(exc)}") from None
+        self.provider = self.session.get_providers()[0]
+        self.output_names = [o.name for o in self.session.get_outputs()]
+        self.reset()
+
+    def reset(self) -> None:
+        shapes = self.info.layout.state_shapes()
+        self.state: Dict[str, np.ndarray] = {
+            state_input_name(i, name): np.zeros(shapes[name], dtype=_numpy_dtype(name))
+            for i in range(self.info.layers) for name in STATE_NAMES}
+        self.seq_len = 0
+
+    def step(self, ids: List[int]) -> np.ndarray:
+        """Append the tokens ids (prefill: the prompt; decode: one token); fp32 logits [vocab] of the last."""
+        n = len(ids)
+        if self.seq_len + n > self.info.max_seq_len:
+            raise PnMixError(f"cache capacity exceeded: {self.seq_len} + {n} tokens > max_seq_len "
+                             f"{self.info.max_seq_len} of {self.info.path.name} (export with a larger --max-seq-len)")
+        feeds = {"input_ids": np.asarray([ids], dtype=np.int64), "seq_len": np.array(self.seq_len, dtype=np.int64),
+                 "new_len": np.array(n, dtype=np.int64), **self.state}
+        values = dict(zip(self.output_names, self.session.run(None, feeds)))
+        for i in range(self.info.layers):
+            for name in STATE_NAMES:
+                self.state[state_input_name(i, name)] = values[state_output_name(i, name)]
+        self.seq_len += n
+        return values["logits"][0, -1]
+
+    def layer_state(self, layer: int) -> Dict[str, np.ndarray]:
+        return {name: self.state[state_input_name(layer, name)] for name in STATE_NAMES}
+
+    def cache_bytes(self) -> Dict[str, int]:
+        """Used bytes of the packed state over all layers (SPEC section 2), and as allocated."""
+        import torch
+
+        from pnmix.format import STATE_DTYPES
+
+        layout = self.info.layout
+        used = 0
+        for layer in range(self.info.layers):
+            tensors = {name: torch.from_numpy(a).view(STATE_DTYPES[name]) for name, a in self.layer_state(layer).items()}
+            used += layout.persistent_bytes(self.seq_len, tensors)["persistent_cache_bytes"]
+        allocated = sum(a.nbytes for a in self.state.values())
+        return {"persistent_cache_bytes": used, "allocated_bytes": allocated}
+
+
+def _numpy_dtype(name: str):
+    return np.int8 if name in ("key_codes", "value_codes", "pair_mask") else np.float16
+
+
+@dataclass
+class Generation:
+    prompt_ids: List[int]
+    new_ids: List[int] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    first_logits: Optional[np.ndarray] = None
+
+
+def greedy(session: LlmSession, prompt_ids: List[int], max_new_tokens: int, eos: Optional[int] = None,
+           on_step=None) -> Generation:
+    """Greedy decoding: one prefill call, then one call per token (stops at eos)."""
+    if not prompt_ids:
+        raise PnMixError("the prompt has no tokens")
+    if len(prompt_ids) + max_new_tokens > session.info.max_seq_len + 1:
+        raise PnMixError(f"the prompt ({len(prompt_ids)} tokens) and --max-new-tokens {max_new_tokens} exceed "
+                         f"the capacity of {session.info.path.name} ({session.info.max_seq_len} tokens; "
+                         "export with a larger --max-seq-len)")
+    result = Generation(list(prompt_ids))
+    began = time.perf_counter()
+    logits = session.step(list(prompt_ids))
+    result.prefill_seconds = time.perf_counter() - began
+    result.first_logits = logits
+    if on_step:
+        on_step(session, logits)
+    began = time.perf_counter()
+    for index in range(max_new_tokens):
+        token = int(np.argmax(logits))
+        result.new_ids.append(token)
+        if token == eos or index == max_new_tokens - 1:
+            break
+        logits = session.step([token])
+        if on_step:
+            on_step(session, logits)
+    result.decode_seconds = time.perf_counter() - began
+    return result
+
+
+def read_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> str:
+    if (prompt is None) == (prompt_file is None):
+        raise PnMixError("give exactly one of --prompt TEXT or --prompt-file FILE")
+    if prompt is not None:
+        return prompt
+    try:
+        return Path(prompt_file).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise PnMixError(f"prompt file not found: {prompt_file}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PnMixError(f"cannot read prompt file {prompt_file}: {exc}") from None
+
+
+def generate_command(model: Path, tokenizer: str, prompt: Optional[str], prompt_file: Optional[Path],
+                     max_new_tokens: int, json_path: Optional[Path], threads: Optional[int] = None) -> int:
+    from pnmix.hf.models import load_tokenizer, resolve_model
+    from pnmix.io import check_output_path, write_json_atomic
+
+    if json_path is not None:
+        check_output_path(json_path)
+    if max_new_tokens < 1:
+        raise PnMixError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    text = read_prompt(prompt, prompt_file)
+    info = read_llm_info(model)
+    tok = load_tokenizer(resolve_model(tokenizer))
+    check_tokenizer(info, tok, tokenizer)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    if len(ids) > info.max_seq_len:
+        raise PnMixError(f"the prompt has {len(ids)} tokens, more than the capacity of {model.name} "
+                         f"({info.max_seq_len} tokens; export with a larger --max-seq-len)")
+    max_new_tokens = min(max_new_tokens, info.max_seq_len - len(ids) + 1)
+    session = LlmSession(model, threads, info)
+    result = greedy(session, ids, max_new_tokens, tok.eos_token_id)
+    completion = tok.decode(result.new_ids, skip_special_tokens=True)
+    decode_steps = max(len(result.new_ids) - 1, 0)
+    report = {
+        "model": str(model), "tokenizer": tokenizer, "provider": session.provider,
+        "prompt": text, "completion": completion, "prompt_tokens": len(ids), "new_tokens": len(result.new_ids),
+        "token_ids": result.new_ids,
+        "prefill_seconds": result.prefill_seconds, "decode_seconds": result.decode_seconds,
+        "prefill_tokens_per_s": len(ids) / result.prefill_seconds if result.prefill_seconds else None,
+        "decode_tokens_per_s": decode_steps / result.decode_seconds if decode_steps and result.decode_seconds else None,
+        **session.cache_bytes(),
+    }
+    print(text + completion)
+    print(f"prefill {len(ids)} tokens: {rate_text(report['prefill_tokens_per_s'])} tokens/s; decode "
+          f"{decode_steps} tokens: {rate_text(report['decode_tokens_per_s'])} tokens/s ({session.provider}); "
+          f"packed cache {report['persistent_cache_bytes']} bytes used, {report['allocated_bytes']} allocated")
+    if json_path is not None:
+        write_json_atomic(json_path, report)
+    return 0
+
+
+def rate_text(value: Optional[float], digits: int = 1) -> str:
+    """A tokens/s figure for a table, "-" where there is none."""
+    return "-" if value is None else f"{value:.{digits}f}"

@@ -1,0 +1,240 @@
+"""A Llama-family decoder written directly in PyTorch over the pn-mix packed cache (gpt-fast style).
+
+``PnMixDecoder`` takes the weights of a transformers LlamaForCausalLM, MistralForCausalLM,
+Qwen2ForCausalLM or Qwen3ForCausalLM and computes what that model computes, with the cache as
+explicit state: one forward is one step of the exported file (docs/OPS.md, "The LLM file"):
+
+    input_ids [B, n], seq_len, new_len, state of every layer -> logits [B, 1, vocab], present state
+
+Per layer: RMSNorm, q/k/v projections (biases where the model has them, Qwen2), q/k RMSNorm over
+the head (Qwen3), the model's own RoPE (rotate_half with cos/sin from the model's rotary module:
+its rope_theta and rope scaling, tabulated once), then ``pnmix::attention`` over the packed state
+plus the new fp16 K/V and ``pnmix::append`` of those K/V, o_proj, residual, RMSNorm, gated MLP.
+
+The arithmetic follows transformers op for op (RMSNorm in fp32, ``q*cos + rotate_half(q)*sin``,
+K/V cast to fp16 after RoPE), so the fp16 K/V equal PnMixCache's whenever the projections
+agree. Only the last position's logits are computed: generation needs no more, and a 4K prefill's
+full logits would be [4096, vocab] fp32 (800 MB for SmolLM2).
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from pnmix.config import PnMixConfig
+from pnmix.errors import PnMixError
+from pnmix.format import STATE_NAMES, CacheLayout
+
+from . import torch_ops
+
+# Rope types whose cos/sin do not depend on the sequence length (the table is built once).
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+ROPE_TABLE_BLOCK = 256  # positions per rotary-module call (keeps each call single-threaded)
+
+
+def state_input_name(layer: int, name: str) -> str:
+    return f"past.{layer}.{name}"
+
+
+def state_output_name(layer: int, name: str) -> str:
+    return f"present.{layer}.{name}"
+
+
+def _torch_state_dtype(name: str) -> torch.dtype:
+    return torch.int8 if name in ("key_codes", "value_codes", "pair_mask") else torch.float16
+
+
+def rope_type(model_config: Any) -> str:
+    scaling = getattr(model_config, "rope_scaling", None) or {}
+    params = getattr(model_config, "rope_parameters", None) or {}
+    return str(scaling.get("rope_type") or scaling.get("type") or params.get("rope_type") or "default")
+
+
+def rope_table(hf_model: nn.Module, max_seq_len: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_seq_len, D] from the model's own rotary module, in blocks of positions.
+
+    Blocks keep every call below torch's parallel grain, so each element goes through the same
+    vectorized cos/sin as in the model's own calls (head_dim is a multiple of the vector width)."""
+    rotary = hf_model.model.rotary_emb
+    probe = torch.zeros(1, dtype=hf_model.dtype)
+    cos, sin = [], []
+    with torch.no_grad():
+        for start in range(0, max_seq_len, ROPE_TABLE_BLOCK):
+            positions = torch.arange(start, min(start + ROPE_TABLE_BLOCK, max_seq_len)).unsqueeze(0)
+            c, s = rotary(probe, positions)
+            cos.append(c[0])
+            sin.append(s[0])
+    return torch.cat(cos).contiguous(), torch.cat(sin).contiguous()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Causal GQA attention of the new tokens over themselves (transformers' eager attention),
+    fp32 [B, Hq, n, D]."""
+    repeat = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(repeat, dim=1)
+    v = v.repeat_interleave(repeat, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * head_dim ** -0.5
+    n = q.shape[2]
+    future = torch.ones(n, n, dtype=torch.bool).triu(1)
+    scores = scores.masked_fill(future, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return torch.matmul(probs, v).float()
+
+
+class RMSNorm(nn.Module):
+    """transformers' LlamaRMSNorm: the statistics in fp32, the weight applied in the model dtype."""
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach().clone(), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        variance = x32.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(dtype)
+
+
+def _linear(source: nn.Linear) -> nn.Linear:
+    layer = nn.Linear(source.in_features, source.out_features, bias=source.bias is not None,
+                      dtype=source.weight.dtype)
+    layer.weight = nn.Parameter(source.weight.detach(), requires_grad=False)
+    if source.bias is not None:
+        layer.bias = nn.Parameter(source.bias.detach(), requires_grad=False)
+    return layer
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, hf_layer: nn.Module, dims: "Dims"):
+        super().__init__()
+        attn, mlp = hf_layer.self_attn, hf_layer.mlp
+        self.dims = dims
+        self.input_norm = RMSNorm(hf_layer.input_layernorm.weight, dims.eps)
+        self.q_proj, self.k_proj, self.v_proj = _linear(attn.q_proj), _linear(attn.k_proj), _linear(attn.v_proj)
+        self.o_proj = _linear(attn.o_proj)
+        self.q_norm = RMSNorm(attn.q_norm.weight, dims.eps) if hasattr(attn, "q_norm") else None
+        self.k_norm = RMSNorm(attn.k_norm.weight, dims.eps) if hasattr(attn, "k_norm") else None
+        self.post_norm = RMSNorm(hf_layer.post_attention_layernorm.weight, dims.eps)
+        self.gate_proj, self.up_proj, self.down_proj = (_linear(mlp.gate_proj), _linear(mlp.up_proj),
+                                                        _linear(mlp.down_proj))
+
+    def forward(self, x, cos, sin, seq_len, new_len, state: Sequence[torch.Tensor], config: str, max_seq_len: int):
+        d = self.dims
+        batch, n, _ = x.shape
+        h = self.input_norm(x)
+        q = self.q_proj(h).view(batch, n, d.q_heads, d.head_dim)
+        k = self.k_proj(h).view(batch, n, d.kv_heads, d.head_dim)
+        v = self.v_proj(h).view(batch, n, d.kv_heads, d.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        q = (q * cos) + (rotate_half(q) * sin)
+        k = (k * cos) + (rotate_half(k) * sin)
+        q16, k16, v16 = q.to(torch.float16), k.to(torch.float16), v.to(torch.float16)
+        attn = torch_ops.attention(q16, k16, v16, seq_len, new_len, state, config, max_seq_len)
+        # A prefill has nothing packed to read: like PnMixCache (pnmix.hf), it attends over the
+        # prompt's own K/V in the model's precision. The fp16 op result is selected otherwise.
+        attn = torch.where(seq_len == 0, self_attention(q, k, v, d.head_dim), attn)
+        present = torch_ops.append(k16, v16, seq_len, new_len, state, config, max_seq_len)
+        attn = attn.to(x.dtype).transpose(1, 2).reshape(batch, n, d.q_heads * d.head_dim)
+        x = x + self.o_proj(attn)
+        h = self.post_norm(x)
+        x = x + self.down_proj(nn.functional.silu(self.gate_proj(h)) * self.up_proj(h))
+        return x, present
+
+
+class Dims:
+    """The shapes of a supported transformers config (one-line errors for what is not supported)."""
+
+    def __init__(self, model_config: Any):
+        from pnmix.hf.models import check_architecture
+
+        self.model_type = check_architecture(getattr(model_config, "model_type", None), "the model")
+        self.layers = int(model_config.num_hidden_layers)
+        self.hidden = int(model_config.hidden_size)
+        self.q_heads = int(model_config.num_attention_heads)
+        self.kv_heads = int(getattr(model_config, "num_key_value_heads", None) or self.q_heads)
+        self.head_dim = int(getattr(model_config, "head_dim", None) or self.hidden // self.q_heads)
+        self.vocab = int(model_config.vocab_size)
+        self.eps = float(model_config.rms_norm_eps)
+        self.max_positions = int(getattr(model_config, "max_position_embeddings", 0) or 0)
+        self.sliding_window = getattr(model_config, "sliding_window", None) \
+            if getattr(model_config, "use_sliding_window", True) else None
+        kind = rope_type(model_config)
+        if kind not in STATIC_ROPE_TYPES:
+            raise PnMixError(f"rope type '{kind}' depends on the sequence length; the exporter supports "
+                             f"{', '.join(STATIC_ROPE_TYPES)}")
+        if getattr(model_config, "hidden_act", "silu") != "silu":
+            raise PnMixError(f"hidden_act '{model_config.hidden_act}' is not the Llama family's silu")
+
+    def check_capacity(self, max_seq_len: int) -> None:
+        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
+            raise PnMixError(f"--max-seq-len must be a positive integer, got {max_seq_len!r}")
+        if self.max_positions and max_seq_len > self.max_positions:
+            raise PnMixError(f"--max-seq-len {max_seq_len} is beyond the model's {self.max_positions} positions "
+                             "(max_position_embeddings)")
+        if self.sliding_window and max_seq_len > int(self.sliding_window):
+            raise PnMixError(f"--max-seq-len {max_seq_len} is beyond the model's sliding window "
+                             f"({self.sliding_window}): pn-mix keeps every token, full causal attention only")
+
+
+class PnMixDecoder(nn.Module):
+    """The whole decoder of a Llama-family model over per-layer packed states (see the module doc)."""
+
+    def __init__(self, hf_model: nn.Module, config: PnMixConfig, max_seq_len: int, batch: int = 1):
+        super().__init__()
+        self.dims = dims = Dims(hf_model.config)
+        dims.check_capacity(max_seq_len)
+        self.layout = CacheLayout(config, batch, dims.kv_heads, dims.head_dim, max_seq_len)
+        self.config_text = torch_ops.config_text(config)
+        self.max_seq_len = max_seq_len
+        inner = hf_model.model
+        self.embed = nn.Parameter(inner.embed_tokens.weight.detach(), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(layer, dims) for layer in inner.layers)
+        self.norm = RMSNorm(inner.norm.weight, dims.eps)
+        head = hf_model.lm_head.weight
+        # Tied embeddings stay one tensor (one initializer in the file).
+        self.lm_head = self.embed if head is inner.embed_tokens.weight else nn.Parameter(head.detach(), requires_grad=False)
+        cos, sin = rope_table(hf_model, max_seq_len)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    # ---- state -----------------------------------------------------------------------------
+    def state_names(self) -> Tuple[List[str], List[str]]:
+        inputs = [state_input_name(i, name) for i in range(self.dims.layers) for name in STATE_NAMES]
+        outputs = [state_output_name(i, name) for i in range(self.dims.layers) for name in STATE_NAMES]
+        return inputs, outputs
+
+    def empty_state(self) -> List[torch.Tensor]:
+        """Every layer's state tensors, zeroed, flat in (layer, STATE_NAMES) order."""
+        shapes = self.layout.state_shapes()
+        return [torch.zeros(shapes[name], dtype=_torch_state_dtype(name))
+                for _ in range(self.dims.layers) for name in STATE_NAMES]
+
+    # ---- the step --------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, seq_len: torch.Tensor, new_len: torch.Tensor,
+                state: List[torch.Tensor]):
+        n = input_ids.shape[1]
+        # write mode starts at seq_len, evaluation (new_len 0) at seq_len - n: both seq_len + new_len - n
+        positions = torch.arange(n) + (seq_len + new_len - n)
+        cos = self.rope_cos[positions].unsqueeze(0).unsqueeze(0)  # [1, 1, n, D]
+        sin = self.rope_sin[positions].unsqueeze(0).unsqueeze(0)
+        x = nn.functional.embedding(input_ids, self.embed)
+        present: List[torch.Tensor] = []
+        count = len(STATE_NAMES)
+        for i, layer in enumerate(self.layers):
+            x, layer_present = layer(x, cos, sin, seq_len, new_len, state[i * count:(i + 1) * count],
+                                     self.config_text, self.max_seq_len)
+            present.extend(layer_present)
+        last = self.norm(x[:, -1:, :])
+        logits = nn.functional.linear(last, self.lm_head).to(torch.float32)
+        return (logits, *present)

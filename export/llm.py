@@ -1,0 +1,297 @@
+"""`pnmix export --model MODEL`: a whole Llama-family decoder with the pn-mix cache in ONE ONNX file.
+
+The model is the PyTorch decoder of export/llama.py, loaded with the weights of MODEL (pnmix.hf.models
+resolves a Hugging Face folder, a .gguf file or a packaged name) and traced with PyTorch's ONNX
+exporter (``torch.onnx.export(..., dynamo=True)``). The two custom ops are translated into the
+``pnmix::PnMixAttention`` / ``pnmix::PnMixAppend`` nodes of export/ops.py's table and the file
+gets the ops' function bodies (export/torch_ops.py), so ONNX Runtime runs it as is.
+
+The file: ``model.onnx`` with the graph and ``model.onnx.data`` beside it with the weights (ONNX
+external data: a model over 2 GiB fits). Interface (docs/OPS.md, "The LLM file"): inputs
+``input_ids`` int64 [1, n], ``seq_len``, ``new_len`` (int64 scalars), ``past.<layer>.<state name>``;
+outputs ``logits`` fp32 [1, 1, vocab] (the last position) and ``present.<layer>.<state name>``.
+The metadata (``pnmix.*``) records the config, the capacity and the model and tokenizer the file
+was made from, so generate/verify can refuse a tokenizer that does not match.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from pnmix.config import PnMixConfig, read_json_file
+from pnmix.errors import PnMixError, describe
+from pnmix.format import CacheLayout
+
+from .exporter import META_PREFIX, _version
+
+LLM_KIND = "llm"
+EXPORT_OPSET = 18
+DTYPES = ("fp32", "fp16")
+# metadata keys of an LLM file (each read back by LlmFileInfo)
+META_KEYS = ("kind", "format_version", "config", "max_seq_len", "batch", "model", "model_type", "layers",
+             "q_heads", "kv_heads", "head_dim", "vocab_size", "dtype", "tokenizer_sha256")
+
+
+@dataclass(frozen=True)
+class LlmExportResult:
+    path: Path
+    data_path: Path
+    seconds: float
+    file_bytes: int
+    data_bytes: int
+    layers: int
+    max_seq_len: int
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """sha256 of the tokenizer's vocabulary (token -> id): two tokenizers that map any text to other
+    ids differ here."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode("utf-8")).hexdigest()
+
+
+def llm_config(model_config: Any, config_path: Optional[Path]) -> PnMixConfig:
+    """The cache config of an export: PnMixCache's default for the model (pnmix.hf.cache), with the
+    fields of a --config JSON file laid over it; the same config the torch side of verify uses."""
+    from pnmix.hf.cache import resolve_config
+
+    fields: Dict[str, Any] = {}
+    if config_path is not None:
+        fields = read_json_file(config_path, "config")
+        if not isinstance(fields, dict):
+            raise PnMixError(f"config file {config_path} must hold a JSON object of config fields")
+    try:
+        return resolve_config(None, fields, model_config)
+    except TypeError as exc:  # an unknown field name
+        raise PnMixError(f"config file {config_path}: {describe(exc)}") from None
+
+
+def build_decoder(source, dtype: str, max_seq_len: int, config_path: Optional[Path]):
+    """(decoder, hf model, model config) for MODEL, every check before the weights load."""
+    from pnmix.hf.models import load_causal_lm, load_model_config
+
+    from .llama import Dims, PnMixDecoder
+
+    if dtype not in DTYPES:
+        raise PnMixError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    model_config = load_model_config(source)
+    Dims(model_config).check_capacity(max_seq_len)
+    config = llm_config(model_config, config_path)
+    hf_model = load_causal_lm(source, dtype, model_config=model_config)
+    return PnMixDecoder(hf_model, config, max_seq_len).eval(), hf_model, model_config
+
+
+def trace(decoder) -> Any:
+    """The decoder through torch.onnx.export(dynamo=True): an onnx_ir model with pn-mix nodes.
+
+    Without onnxscript's optimizer: it took a quarter of SmolLM2's export time (measured) for
+    folding that ONNX Runtime's own graph optimizations do at session start."""
+    import torch
+
+    from . import torch_ops
+
+    prefill = min(decoder.max_seq_len, 2 * decoder.layout.config.group_size + 1)
+    example = (torch.zeros(1, prefill, dtype=torch.long), torch.tensor(0), torch.tensor(prefill),
+               decoder.empty_state())
+    inputs, outputs = decoder.state_names()
+    tokens = torch.export.Dim("n", min=1, max=decoder.max_seq_len)
+    import logging
+    import warnings
+
+    # torch.onnx warns (logging) about optional packages it does not need here, such as torchvision
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    with warnings.catch_warnings(), _quiet_torch_onnx():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            decoder, example, dynamo=True, opset_version=EXPORT_OPSET, optimize=False, verbose=False,
+            input_names=["input_ids", "seq_len", "new_len", *inputs], output_names=["logits", *outputs],
+            dynamic_shapes=({1: tokens}, None, None, [None] * len(inputs)),
+            custom_translation_table=torch_ops.translation_table())
+    return program.model
+
+
+class _quiet_torch_onnx:
+    """torch.onnx prints its progress on stdout; a command prints one summary line."""
+
+    def __enter__(self):
+        import contextlib
+        import io
+
+        self._redirect = contextlib.redirect_stdout(io.StringIO())
+        self._redirect.__enter__()
+
+    def __exit__(self, *exc):
+        self._redirect.__exit__(*exc)
+        return False
+
+
+def finish(ir_model, decoder, metadata: Dict[str, str]) -> None:
+    """Add the ops' function bodies and the pnmix.* metadata to the traced model (in place)."""
+    import onnx_ir as ir
+
+    from . import ops
+
+    layout: CacheLayout = decoder.layout
+    functions = (ops.attention_function(layout, decoder.dims.q_heads, EXPORT_OPSET),
+                 ops.append_function(layout, EXPORT_OPSET))
+    for proto in functions:
+        function = ir.serde.deserialize_function(proto)
+        ir_model.functions[function.identifier()] = function
+    ir_model.opset_imports[ops.DOMAIN] = ops.DOMAIN_VERSION
+    ir_model.producer_name = "pnmix"
+    ir_model.producer_version = _version()
+    ir_model.ir_version = min(ir_model.ir_version, 10)  # what current ONNX Runtime releases read
+    for key, value in metadata.items():
+        ir_model.metadata_props[META_PREFIX + key] = value
+
+
+def save_atomic(ir_model, path: Path) -> Path:
+    """model.onnx and model.onnx.data, staged in a temporary folder beside them and renamed (data
+    first): an error leaves no file and no half-written pair behind."""
+    import onnx_ir as ir
+
+    data_path = path.with_name(path.name + ".data")
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        ir.save(ir_model, staging / path.name, external_data=data_path.name)
+        os.replace(staging / data_path.name, data_path)
+        os.replace(staging / path.name, path)
+    except OSError as exc:
+        raise PnMixError(f"cannot write {path}: {exc.strerror or describe(exc)}") from None
+    finally:
+        for leftover in staging.iterdir():
+            leftover.unlink()
+        staging.rmdir()
+    return data_path
+
+
+def export_llm(model: str, output: Path, max_seq_len: int = 2048, config_path: Optional[Path] = None,
+               dtype: str = "fp32", check: bool = True) -> LlmExportResult:
+    from pnmix.hf.models import load_tokenizer, resolve_model
+    from pnmix.io import check_output_path
+
+    check_output_path(output)
+    began = time.perf_counter()
+    source = resolve_model(model)
+    decoder, _, model_config = build_decoder(source, dtype, max_seq_len, config_path)
+    tokenizer = load_tokenizer(source)
+    dims = decoder.dims
+    ir_model = trace(decoder)
+    finish(ir_model, decoder, {
+        "kind": LLM_KIND, "format_version": "1",
+        "config": json.dumps(decoder.layout.config.to_dict(), sort_keys=True),
+        "max_seq_len": str(max_seq_len), "batch": "1", "model": source.name, "model_type": dims.model_type,
+        "layers": str(dims.layers), "q_heads": str(dims.q_heads), "kv_heads": str(dims.kv_heads),
+        "head_dim": str(dims.head_dim), "vocab_size": str(dims.vocab), "dtype": dtype,
+        "tokenizer_sha256": tokenizer_fingerprint(tokenizer),
+    })
+    data_path = save_atomic(ir_model, output)
+    if check:
+        check_written(output)
+    return LlmExportResult(output, data_path, time.perf_counter() - began, output.stat().st_size,
+                           data_path.stat().st_size, dims.layers, max_seq_len)
+
+
+def check_written(path: Path) -> None:
+    """The ONNX checker over the written file (path-based: weights stay on disk)."""
+    import onnx
+
+    try:
+        onnx.checker.check_model(str(path))
+    except (onnx.checker.ValidationError, OSError) as exc:
+        for leftover in (path, path.with_name(path.name + ".data")):
+            leftover.unlink(missing_ok=True)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise PnMixError(f"exported model fails the ONNX checker: {first}") from None
+
+
+# ---------------------------------------------------------------------------------------
+# Reading an LLM file back
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LlmFileInfo:
+    path: Path
+    config: PnMixConfig
+    layout: CacheLayout
+    model: str
+    model_type: str
+    layers: int
+    q_heads: int
+    vocab_size: int
+    dtype: str
+    tokenizer_sha256: str
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.layout.max_seq_len
+
+
+def is_llm_file(path: Path) -> bool:
+    """Whether the file is an LLM file (metadata pnmix.kind = llm), read without its weights."""
+    import onnx
+
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except Exception:  # not readable as ONNX: the caller's own loader gives the one-line reason
+        return False
+    return any(p.key == META_PREFIX + "kind" and p.value == LLM_KIND for p in proto.metadata_props)
+
+
+def read_llm_info(path: Path) -> LlmFileInfo:
+    """The metadata of an exported LLM file (the graph is read without its weights)."""
+    import onnx
+    from google.protobuf.message import DecodeError
+
+    from .modelfile import check_external_data
+
+    path = Path(path)
+    if not path.is_file():
+        raise PnMixError(f"ONNX model file not found: {path}")
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except (DecodeError, ValueError, RuntimeError, OSError) as exc:
+        raise PnMixError(f"{path} is not an ONNX model: {describe(exc)}") from None
+    check_external_data(proto, path.parent)
+    meta = {p.key[len(META_PREFIX):]: p.value for p in proto.metadata_props if p.key.startswith(META_PREFIX)}
+    if meta.get("kind") != LLM_KIND:
+        raise PnMixError(f"{path} is not an LLM file exported by `pnmix export --model` (for the diagnostic "
+                         "model use `pnmix verify --onnx` without --model)")
+    missing = [key for key in META_KEYS if key not in meta]
+    if missing:
+        raise PnMixError(f"{path} lacks the metadata field {META_PREFIX}{missing[0]}")
+    try:
+        config = PnMixConfig.from_mapping(json.loads(meta["config"]))
+        layout = CacheLayout(config, int(meta["batch"]), int(meta["kv_heads"]), int(meta["head_dim"]),
+                             int(meta["max_seq_len"]))
+        return LlmFileInfo(path, config, layout, meta["model"], meta["model_type"], int(meta["layers"]),
+                           int(meta["q_heads"]), int(meta["vocab_size"]), meta["dtype"], meta["tokenizer_sha256"])
+    except (ValueError, TypeError) as exc:
+        raise PnMixError(f"{path} has unreadable pnmix metadata: {describe(exc)}") from None
+
+
+def check_tokenizer(info: LlmFileInfo, tokenizer: Any, name: str) -> None:
+    """A tokenizer that does not match the file is refused: its ids would mean other tokens."""
+    size = len(tokenizer)
+    if size > info.vocab_size:
+        raise PnMixError(f"tokenizer {name} has {size} tokens but {info.path.name} was exported from "
+                         f"{info.model} with a vocabulary of {info.vocab_size}: use the model's own tokenizer")
+    if tokenizer_fingerprint(tokenizer) != info.tokenizer_sha256:
+        raise PnMixError(f"tokenizer {name} is not the tokenizer of {info.model}, which {info.path.name} was "
+                         "exported from (vocabulary differs): use that model's tokenizer")
+
+
+def export_llm_command(model: str, output: Path, max_seq_len: int, config: Optional[Path], dtype: str) -> int:
+    result = export_llm(model, output, max_seq_len, config, dtype)
+    print(f"wrote {result.path} ({result.file_bytes} bytes) and {result.data_path.name} ({result.data_bytes} "
+          f"bytes) in {result.seconds:.1f} s: {model}, {result.layers} layers, max_seq_len {max_seq_len}, "
+          f"dtype {dtype}, pn-mix ops {result.layers} x 2")
+    return 0
