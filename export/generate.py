@@ -19,7 +19,7 @@ from pnmix.errors import PnMixError, one_line
 from pnmix.format import STATE_NAMES
 
 from .llama import state_input_name, state_output_name
-from .llm import LlmFileInfo, check_tokenizer, read_llm_info
+from .llm_file import LlmFileInfo, check_tokenizer, read_llm_info
 
 
 def providers() -> List[str]:

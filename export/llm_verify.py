@@ -43,7 +43,7 @@ from pnmix.errors import PnMixError
 from pnmix.format import STATE_DTYPES, STATE_NAMES
 
 from .generate import LlmSession
-from .llm import check_tokenizer, read_llm_info
+from .llm_file import check_tokenizer, read_llm_info
 
 LOGITS_TOLERANCE = {"fp32": 1e-3, "fp16": 5e-2}
 DECODE_LOGITS_TOLERANCE = {"fp32": 2e-2, "fp16": 1e-1}

@@ -195,7 +195,7 @@ def verify(
     from .verify import verify as run_verify
 
     if model is None and onnx is not None:
-        from .export.llm import is_llm_file
+        from .export.llm_file import is_llm_file
 
         if is_llm_file(onnx):
             raise PnMixError(f"{onnx} is an LLM file (pnmix export --model): verify it with --model MODEL")

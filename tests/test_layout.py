@@ -22,9 +22,11 @@ CORE = ("config", "errors", "format", "quant", "reference", "cache", "model", "m
         "machine", "defaults", "dataset", "testing", "_native")
 LAYERS = {
     "pnmix": 0, **{f"pnmix.{name}": 0 for name in CORE},
-    "pnmix.export": 1, "pnmix.export.bench": 3, "pnmix.codegen": 1,
+    "pnmix.export": 1, "pnmix.export.bench": 3, "pnmix.export.llm": 3, "pnmix.export.generate": 3,
+    "pnmix.export.llm_verify": 3, "pnmix.export.llm_bench": 3, "pnmix.export.tiny": 3, "pnmix.codegen": 1,
     "pnmix.backends": 2,
     "pnmix.protocol": 3, "pnmix.verify": 3, "pnmix.doctor": 3, "pnmix.bench": 3, "pnmix.ort_peers": 3, "pnmix.hf": 3,
+    "pnmix.hf.models": 0, "pnmix.hf._deps": 0,  # where a model comes from: no cache, no backend
     "pnmix.cli": 4, "pnmix.__main__": 4,
 }
 LAYER_NAMES = ("core", "the ONNX file (export)", "backends", "harness", "CLI")

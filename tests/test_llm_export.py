@@ -19,7 +19,8 @@ from pnmix.config import PnMixConfig  # noqa: E402
 from pnmix.errors import PnMixError  # noqa: E402
 from pnmix.export import ops  # noqa: E402
 from pnmix.export.generate import LlmSession, greedy  # noqa: E402
-from pnmix.export.llm import export_llm, read_llm_info  # noqa: E402
+from pnmix.export.llm import export_llm  # noqa: E402
+from pnmix.export.llm_file import read_llm_info  # noqa: E402
 from pnmix.export.tiny import WORDS, make_tiny_model  # noqa: E402
 from pnmix.testing import SMALL  # noqa: E402
 
@@ -197,7 +198,7 @@ def test_prompt_over_capacity_in_the_api(tiny):
 def test_llm_file_rewritten_for_tensorrt_pairs_every_layer(tiny):
     from pnmix.backends.tensorrt import engine as trt
 
-    from pnmix.export.llm import is_llm_file
+    from pnmix.export.llm_file import is_llm_file
 
     assert is_llm_file(tiny["onnx"])
     model = onnx.load(str(tiny["onnx"]))

@@ -242,7 +242,7 @@ def parse_and_build(model: Path, prepared: bytes, plugins: Path, shapes, capacit
 
 def build_engine(model: Path, plugins: Path, output: Path, max_seq_len: Optional[int] = None) -> Dict[str, Any]:
     """Build and write the engine and its sidecar; returns the sidecar's content."""
-    from ...export.llm import is_llm_file
+    from ...export.llm_file import is_llm_file
     from ...io import check_output_path, write_described_atomic
 
     plugins = check_plugin_path(plugins)
@@ -327,7 +327,7 @@ def build_llm_engine(model: Path, plugins: Path, output: Path, precision: str,
     the file's model, layers and capacity."""
     import onnx
 
-    from ...export.llm import read_llm_info
+    from ...export.llm_file import read_llm_info
     from ...io import write_described_atomic
 
     info = read_llm_info(model)
