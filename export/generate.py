@@ -138,12 +138,9 @@ def read_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> str:
         raise PnMixError("give exactly one of --prompt TEXT or --prompt-file FILE")
     if prompt is not None:
         return prompt
-    try:
-        return Path(prompt_file).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise PnMixError(f"prompt file not found: {prompt_file}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PnMixError(f"cannot read prompt file {prompt_file}: {exc}") from None
+    from pnmix.io import read_text
+
+    return read_text(prompt_file, "prompt")
 
 
 def generate_command(model: Path, tokenizer: str, prompt: Optional[str], prompt_file: Optional[Path],

@@ -45,9 +45,9 @@ def names_an_llm(spec: str) -> bool:
 
 
 def _ids(tokenizer, count: int) -> List[int]:
-    from .llm_verify import _default_text
+    from pnmix.dataset import text_or_hamlet
 
-    text = _default_text().read_text(encoding="utf-8")
+    text = text_or_hamlet(None)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     while len(ids) < count:
         ids = ids + ids

@@ -54,8 +54,10 @@ def is_llm_file(path: Path) -> bool:
     """Whether the file is an LLM file (metadata pnmix.kind = llm), read without its weights."""
     import onnx
 
-    try:
-        proto = onnx.load(str(path), load_external_data=False)
+    from pnmix.io import MODEL_LIMIT, read_input
+
+    try:  # a regular file of bounded size first: /dev/zero or a FIFO must not be read here
+        proto = onnx.load_from_string(read_input(path, "ONNX model", MODEL_LIMIT))
     except Exception:  # not readable as ONNX: the caller's own loader gives the one-line reason
         return False
     return any(p.key == META_PREFIX + "kind" and p.value == LLM_KIND for p in proto.metadata_props)
@@ -68,11 +70,11 @@ def read_llm_info(path: Path) -> LlmFileInfo:
 
     from .modelfile import check_external_data
 
-    from pnmix.io import check_input_file
+    from pnmix.io import MODEL_LIMIT, read_input
 
-    path = check_input_file(path, "ONNX model")
+    path = Path(path)
     try:
-        proto = onnx.load(str(path), load_external_data=False)
+        proto = onnx.load_from_string(read_input(path, "ONNX model", MODEL_LIMIT))
     except (DecodeError, ValueError, RuntimeError, OSError) as exc:
         raise PnMixError(f"{path} is not an ONNX model: {describe(exc)}") from None
     check_external_data(proto, path.parent)

@@ -47,30 +47,17 @@ from .llm_file import check_tokenizer, read_llm_info
 
 LOGITS_TOLERANCE = {"fp32": 1e-3, "fp16": 5e-2}
 DECODE_LOGITS_TOLERANCE = {"fp32": 2e-2, "fp16": 1e-1}
-DEFAULT_TEXT = Path(__file__).resolve().parents[1] / "pnmix" / "data" / "hamlet.txt"
 
 
 def _text_ids(tokenizer, text: Optional[Path], prompt_tokens: int) -> List[int]:
-    path = Path(text) if text is not None else _default_text()
-    try:
-        content = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise PnMixError(f"text file not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PnMixError(f"cannot read text file {path} as UTF-8: {exc}") from None
+    from pnmix.dataset import text_or_hamlet
+
+    content = text_or_hamlet(text)
+    path = text if text is not None else "the bundled Hamlet"
     ids = tokenizer(content, add_special_tokens=False)["input_ids"]
     if len(ids) < prompt_tokens:
         raise PnMixError(f"text {path} has {len(ids)} tokens; --prompt-tokens asks for {prompt_tokens}")
     return list(ids[:prompt_tokens])
-
-
-def _default_text() -> Path:
-    from importlib import resources
-
-    try:
-        return Path(str(resources.files("pnmix") / "data" / "hamlet.txt"))
-    except (ModuleNotFoundError, TypeError):
-        return DEFAULT_TEXT
 
 
 def used_bytes(layout, tensors: Dict[str, torch.Tensor], seq_len: int) -> bytes:

@@ -38,3 +38,13 @@ def protocol_tokens(count: int) -> torch.Tensor:
 
 def fingerprint() -> dict:
     return {"dataset": DATASET_ID, "revision": f"sha256:{HAMLET_SHA256}", "source": SOURCE}
+
+
+def text_or_hamlet(path=None) -> str:
+    """A UTF-8 text file through pnmix.io's checked reader, or (path None) the bundled Hamlet: the
+    text of `pnmix eval`, `pnmix verify --onnx --model` and `pnmix bench onnx --model`."""
+    if path is None:
+        return hamlet_bytes().decode("utf-8")
+    from .io import read_text
+
+    return read_text(path, "text")

@@ -34,7 +34,7 @@ import torch
 
 from ..config import PnMixConfig, read_json_file
 from ..errors import PnMixError, describe
-from ..io import check_output_path, read_text as io_read_text, write_bytes_atomic, write_json_atomic
+from ..io import check_output_path, write_bytes_atomic, write_json_atomic
 from ._deps import quanto_unavailable_reason, require_transformers
 
 TASKS = ("kl", "passkey")
@@ -446,12 +446,10 @@ def load_text_tokens(source, model_config: Any) -> Text:
 
 
 def read_text(path: Optional[Path]) -> str:
-    """The text file (pnmix.io's checked reader), or the bundled Hamlet."""
-    if path is None:
-        from ..dataset import hamlet_bytes
+    """The text file, or the bundled Hamlet."""
+    from ..dataset import text_or_hamlet
 
-        return hamlet_bytes().decode("utf-8")
-    return io_read_text(path, "text")
+    return text_or_hamlet(path)
 
 
 def load_model(model_dir: Path):
