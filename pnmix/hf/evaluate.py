@@ -631,8 +631,9 @@ def render_plot(report: Dict[str, Any]) -> bytes:
     colors = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(methods)}
     for ax, context in zip(axes[0], contexts):
         for row in (r for r in report["results"] if r["context"] == context and r["method"] != REFERENCE):
-            ax.scatter(row["bits_per_element"], max(row["kl"], 1e-6), color=colors[row["method"]], s=60,
-                       label=row["method"], marker="*" if row["method"] == "pnmix" else "o")
+            star = row["method"] == "pnmix"
+            ax.scatter(row["bits_per_element"], max(row["kl"], 1e-6), color=colors[row["method"]],
+                       s=180 if star else 60, label=row["method"], marker="*" if star else "o")
             ax.annotate(row["method"], (row["bits_per_element"], max(row["kl"], 1e-6)), fontsize=8,
                         xytext=(4, 3), textcoords="offset points")
         ax.set_yscale("log")
