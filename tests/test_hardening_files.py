@@ -117,8 +117,10 @@ def special_cases(special):
             (["verify", "--backend", "torch", "--config", path], words),
             (["export", "-o", special["root"] / "m.onnx", "--config", path], words),
             (["verify", "--onnx", path], words),
-            (["bench", "onnx", "--model", path], words),
+            # a folder given as --model names an LLM's Hugging Face folder (export --model's MODEL)
+            (["bench", "onnx", "--model", path], ["config.json"] if kind == "folder" else words),
             (["bench", "decode", "--config", path, "--context", "64"], words),
+            (["generate", path, "--tokenizer", path, "--prompt", "x"], words),
         ]
     cases += [(["verify", "--engine", special["plan"], "--plugins", special["plan"]], ["engine description", "FIFO"])]
     return cases
@@ -170,22 +172,24 @@ def test_a_json_input_beyond_the_size_limit_is_refused_before_it_is_read(tmp_pat
     assert_one_error_line(done, ["huge.json", f"limit of {io.JSON_LIMIT} bytes"])
 
 
-def test_hf_eval_text_and_model_files_that_are_fifos_are_refused(special, tmp_path):
-    pytest.importorskip("transformers")
-    from pnmix.hf.evaluate import check_model_dir, tokenize
+def test_eval_text_and_model_files_that_are_fifos_are_refused(special, tmp_path):
+    from pnmix.dataset import text_or_hamlet
+    from pnmix.hf.models import resolve_model
 
     with pytest.raises(PnMixError, match="text path is not a regular file"):
-        tokenize(special["folder"], special["fifo"], 256)
+        text_or_hamlet(special["fifo"])
     model = tmp_path / "model"
     model.mkdir()
     os.mkfifo(model / "config.json")
     with pytest.raises(PnMixError, match="model path is not a regular file .*config.json"):
-        check_model_dir(model)
+        resolve_model(model)
     (model / "config.json").unlink()
     (model / "config.json").write_text('{"model_type": "llama"}')
     (model / "model.safetensors").symlink_to("/dev/zero")
     with pytest.raises(PnMixError, match="model path is not a regular file .*model.safetensors"):
-        check_model_dir(model)
+        resolve_model(model)
+    with pytest.raises(PnMixError, match="neither a folder nor a regular file"):
+        resolve_model(special["fifo_link"])
 
 
 # ---------------------------------------------------------------------------------------
