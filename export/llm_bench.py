@@ -165,12 +165,11 @@ def bench_llm_command(model: str, contexts: str, repeats: int, onnx_path: Option
 
     if json_path is not None:
         check_output_path(json_path)
-    try:
-        chosen = tuple(int(c) for c in contexts.split(",") if c.strip())
-    except ValueError:
-        raise PnMixError(f"--contexts must be comma-separated integers, got {contexts!r}") from None
-    if not chosen or min(chosen) < 1 or repeats < 1:
-        raise PnMixError("--contexts must name positive token counts and --repeats be >= 1")
+    from pnmix.errors import parse_positive_ints
+
+    chosen = tuple(parse_positive_ints(contexts, "--contexts"))
+    if repeats < 1:
+        raise PnMixError(f"--repeats must be >= 1, got {repeats}")
     report = bench_llm(model, chosen, repeats, onnx_path, peer)
     if "export_seconds" in report:
         print(f"export: {report['export_seconds']:.1f} s, {report['file_bytes']} + {report['data_bytes']} bytes")

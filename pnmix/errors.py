@@ -37,3 +37,14 @@ def parse_list(text: str, option: str) -> list:
     if not items:
         raise PnMixError(f"{option} names nothing, got {text!r}")
     return items
+
+
+def parse_positive_ints(text: str, option: str) -> list:
+    """The positive integers of a comma-separated option (``--contexts 1024,4096``)."""
+    try:
+        values = [int(part) for part in parse_list(text, option)]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise PnMixError(f"{option} must be a comma list of positive integers, got {text!r}")
+    return values

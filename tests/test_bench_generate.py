@@ -75,7 +75,7 @@ def test_the_shared_prefill_fills_a_cache_as_the_model_does(kind):
 
 @pytest.mark.parametrize("args, message", [
     (["--contexts", "abc"], "--contexts must be"),
-    (["--contexts", "0"], "--contexts must be positive"),
+    (["--contexts", "0"], "--contexts must be a comma list of positive integers"),
     (["--new-tokens", "0"], "--new-tokens must be"),
     (["--model", "/no/such/model"], "model not found"),
 ])

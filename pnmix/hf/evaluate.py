@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from ..config import PnMixConfig, read_json_file
-from ..errors import PnMixError, describe
+from ..errors import PnMixError, describe, parse_positive_ints
 from ..io import check_output_path, write_bytes_atomic, write_json_atomic
 from ._deps import quanto_unavailable_reason, require_transformers
 
@@ -461,13 +461,7 @@ def load_model(model_dir: Path):
 
 # ---- options ----------------------------------------------------------------------------------
 def parse_ints(text: str, option: str) -> List[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise PnMixError(f"{option} must be a comma list of positive integers, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise PnMixError(f"{option} must be a comma list of positive integers, got {text!r}")
-    return values
+    return parse_positive_ints(text, option)
 
 
 def parse_depths(text: str) -> List[float]:

@@ -101,13 +101,9 @@ MAX_NEW_TOKENS = 1 << 16
 
 
 def parse_contexts(text: str) -> List[int]:
-    try:
-        contexts = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise PnMixError(f"--contexts must be comma-separated token counts, got {text!r}") from None
-    if not contexts or any(c < 1 for c in contexts):
-        raise PnMixError(f"--contexts must be positive token counts, got {text!r}")
-    return sorted(set(contexts))
+    from ..errors import parse_positive_ints
+
+    return sorted(set(parse_positive_ints(text, "--contexts")))
 
 
 @torch.no_grad()
