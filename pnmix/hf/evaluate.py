@@ -211,13 +211,24 @@ def run_prefill(model, ids: torch.Tensor, start: Optional[Prefill] = None) -> Pr
     return Prefill([(layer.keys, layer.values) for layer in cache.layers], out.logits[0, -1].float())
 
 
+def hand_over_prefill(cache, kv: List[Tuple[torch.Tensor, torch.Tensor]], tokens: Optional[int] = None):
+    """Fill an empty cache with a prefill's per-layer K/V (its first ``tokens``: the causal prefix of a
+    longer prompt has the same K/V), one update per layer as the model's prefill call does; a
+    PnMixCache then decodes under the pnmix attention, as a prefill call under it would mark."""
+    from .cache import PnMixCache
+
+    for layer_idx, (k, v) in enumerate(kv):
+        if tokens is not None and tokens != k.shape[2]:
+            k, v = k[:, :, :tokens].clone(), v[:, :, :tokens].clone()
+        cache.update(k, v, layer_idx)
+    if isinstance(cache, PnMixCache):
+        cache.mark_packed_attention()
+    return cache
+
+
 def seeded_cache(method: Method, model_config: Any, prefill: Prefill):
     """A fresh cache of the method holding the prefill, as if the prefill had run with it."""
-    cache = make_cache(method, model_config)
-    for layer_idx, (k, v) in enumerate(prefill.kv):
-        cache.update(k, v, layer_idx)
-    if method.cache == "pnmix":
-        cache.mark_packed_attention()  # what the pnmix attention does in a prefill forward call
+    cache = hand_over_prefill(make_cache(method, model_config), prefill.kv)
     if method.cache == "quanto":
         for layer in cache.layers:
             layer._dequantize = DequantizeOnce(layer._dequantize)

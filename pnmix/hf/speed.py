@@ -106,14 +106,12 @@ def parse_contexts(text: str) -> List[int]:
     return sorted(set(parse_positive_ints(text, "--contexts")))
 
 
-@torch.no_grad()
 def prefill_kv(model, ids: torch.Tensor) -> tuple[list, list]:
     """Per layer, the post-RoPE K/V [B, H, n, D] that the model hands its cache for prompt ids."""
-    from transformers import DynamicCache
+    from .evaluate import run_prefill
 
-    cache = DynamicCache(config=model.config)
-    model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-    return [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
+    kv = run_prefill(model, ids).kv
+    return [k for k, _ in kv], [v for _, v in kv]
 
 
 def new_cache(kind: str, model):
@@ -131,14 +129,11 @@ def new_cache(kind: str, model):
 
 def filled_cache(kind: str, model, keys: list, values: list, context: int):
     """A cache of `kind` holding the first `context` prompt tokens, filled the way the model's
-    prefill fills it (one update per layer with the prompt's K/V; the causal prefix of a longer
-    prompt has the same K/V), and the attention implementation that reads it."""
+    prefill fills it (evaluate.hand_over_prefill), and the attention implementation that reads it."""
+    from .evaluate import hand_over_prefill
+
     cache, attn = new_cache(kind, model)
-    for layer, (k, v) in enumerate(zip(keys, values)):
-        cache.update(k[:, :, :context].clone(), v[:, :, :context].clone(), layer)
-        if kind == "pnmix":
-            cache.layers[layer].packed_attention = True  # what the pnmix attention marks at a prefill
-    return cache, attn
+    return hand_over_prefill(cache, list(zip(keys, values)), context), attn
 
 
 def cache_memory(kind: str, cache) -> tuple[int, int]:
