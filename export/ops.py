@@ -25,7 +25,7 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
 import onnx
@@ -50,6 +50,8 @@ TABLE_JSON = Path(__file__).with_name("pnmix_ops.json")
 # mask carried as INT8 bytes.
 _ONNX_OF_DTYPE = {torch.float16: TensorProto.FLOAT16, torch.uint8: TensorProto.INT8}
 STATE_ONNX_TYPES: Dict[str, int] = {name: _ONNX_OF_DTYPE[STATE_DTYPES[name]] for name in STATE_NAMES}
+# The state tensors with a group-slot axis: what a group flush writes.
+GROUP_STATE = ("key_codes", "key_step", "key_offset", "value_codes", "value_step", "value_offset")
 LENGTH_INPUTS = ("seq_len", "new_len")
 ATTENTION_INPUTS = ("q", "k_new", "v_new") + LENGTH_INPUTS + STATE_NAMES
 ATTENTION_OUTPUTS = ("attention",)
@@ -187,6 +189,27 @@ class Body:
     def output(self, source: str, target: str) -> None:
         self.nodes.append(helper.make_node("Identity", [source], [target]))
 
+    def if_(self, cond: str, then_fn: Callable[["Body"], Sequence[str]], else_fn: Callable[["Body"], Sequence[str]],
+            types: Sequence[int]) -> List[str]:
+        """ONNX If on a bool scalar: each branch builds its outputs (of element ``types``) in its
+        own Body, reading this body's names. ONNX Runtime runs only the branch taken, so work
+        that most calls do not need (a decode step flushes a group once in group_size calls)
+        costs nothing on the others."""
+        branches = []
+        for tag, build in (("then", then_fn), ("else", else_fn)):
+            sub = Body(self._name(tag))
+            results = list(build(sub))
+            if len(results) != len(types):
+                raise ValueError(f"an If branch gave {len(results)} outputs for {len(types)} types")
+            declared = []
+            for i, (result, elem_type) in enumerate(zip(results, types)):
+                name = f"{sub.prefix}_out{i}"
+                sub.output(result, name)
+                declared.append(helper.make_tensor_value_info(name, elem_type, None))
+            branches.append(helper.make_graph(sub.nodes, sub.prefix, [], declared))
+        outs = self.op("If", cond, outputs=len(types), then_branch=branches[0], else_branch=branches[1])
+        return [outs] if len(types) == 1 else list(outs)
+
     # small conveniences (named after the ONNX op they emit)
     def cast(self, x: str, to: int) -> str:
         return self.op("Cast", x, to=to)
@@ -222,6 +245,23 @@ def _unsigned(b: Body, codes_int8: str) -> str:
     """INT8 bytes -> int32 0..255 (two's complement read back)."""
     x = b.cast(codes_int8, TensorProto.INT32)
     return b.where(b.op("Less", x, b.const(0, np.int32)), b.op("Add", x, b.const(256, np.int32)), x)
+
+
+def _unsigned_float(b: Body, codes_int8: str) -> str:
+    """INT8 bytes -> fp32 0..255 as x - 256 * floor(x / 256), exact. The unpack path is fp32
+    because ONNX Runtime's fp32 element-wise ops are vectorized and its int32 Div, Mod and Where
+    are loops over elements (about 10x slower, measured on SmolLM2's decode step)."""
+    x = b.cast(codes_int8, TensorProto.FLOAT)
+    wraps = b.op("Floor", b.op("Mul", x, b.const(1.0 / 256, np.float32)))
+    return b.op("Sub", x, b.op("Mul", wraps, b.const(256.0, np.float32)))
+
+
+def _float_codes(b: Body, word: str, inverse_pow2: str, modulus: str) -> str:
+    """floor(word / 2^shift) mod 2^width for fp32 words of integers below 2^24: exact (products
+    with powers of two, floors of exact values)."""
+    shifted = b.op("Floor", b.op("Mul", word, inverse_pow2))
+    above = b.op("Floor", b.op("Div", shifted, modulus))
+    return b.op("Sub", shifted, b.op("Mul", above, modulus))
 
 
 def _to_int8(b: Body, byte_values: str) -> str:
@@ -332,7 +372,7 @@ def attention_function(layout: CacheLayout, q_heads: int, opset: int) -> onnx.Fu
     # capacity.
     ng1 = b.op("Unsqueeze", n_groups, b.const([0]))
     used = {name: b.op("Slice", name, b.const([0]), ng1, b.const([2]))
-            for name in ("key_codes", "key_step", "key_offset", "value_codes", "value_step", "value_offset")}
+            for name in GROUP_STATE}
     high = _pair_high(b, "pair_mask", layout)
     key_bits = _channel_bits(b, high, cfg)  # [B, H, D]
     keys_g = _dequantize_keys(b, layout, key_bits, high, used, ng1)
@@ -386,7 +426,8 @@ def _dequantize_keys(b: Body, layout: CacheLayout, key_bits: str, high: str, use
     token = b.const(np.arange(gs, dtype=np.int32)[None, None, None, :], np.int32)
     bit = b.op("Add", b.op("Unsqueeze", start, b.const([3])),
                b.op("Mul", token, b.op("Unsqueeze", key_bits, b.const([3]))))  # [B, H, D, gs]
-    modulus = b.where(high, b.const(1 << cfg.key_high_bits, np.int32), b.const(1 << cfg.key_low_bits, np.int32))
+    modulus = b.where(high, b.const(float(1 << cfg.key_high_bits), np.float32),
+                      b.const(float(1 << cfg.key_low_bits), np.float32))
     modulus = b.op("Expand", b.op("Unsqueeze", modulus, b.const([3])), b.const([bsz, h, d, gs]))
     full = b.shape_of(b.const([bsz, h]), ng1, b.const([d * gs]))
     codes = _gather_codes(b, used["key_codes"], bit, modulus, [bsz, h, 1, d * gs], full, ng1,
@@ -394,7 +435,7 @@ def _dequantize_keys(b: Body, layout: CacheLayout, key_bits: str, high: str, use
     codes = b.op("Reshape", codes, b.shape_of(b.const([bsz, h]), ng1, b.const([d, gs])))
     step = b.op("Unsqueeze", b.cast(used["key_step"], TensorProto.FLOAT), b.const([4]))
     offset = b.op("Unsqueeze", b.cast(used["key_offset"], TensorProto.FLOAT), b.const([4]))
-    deq = b.op("Add", offset, b.op("Mul", step, b.cast(codes, TensorProto.FLOAT)))  # [B,H,ng,D,gs]
+    deq = b.op("Add", offset, b.op("Mul", step, codes))  # [B,H,ng,D,gs]
     deq = b.op("Transpose", deq, perm=[0, 1, 2, 4, 3])
     tokens = b.op("Mul", ng1, b.const([gs]))  # no -1: the shape must be exact when ng is 0
     return b.op("Reshape", deq, b.shape_of(b.const([bsz, h]), tokens, b.const([d])))
@@ -402,14 +443,14 @@ def _dequantize_keys(b: Body, layout: CacheLayout, key_bits: str, high: str, use
 
 def _gather_codes(b: Body, packed: str, bit: str, modulus: str, index_shape, full_shape: str, ng1: str,
                   straddles: bool) -> str:
-    """Read codes at stream bits ``bit`` from INT8 bytes ``packed`` [B, H, ng, bytes]. The bit
-    pattern is the same for every group, so shifts and moduli stay at ``index_shape`` and
-    broadcast; only the byte gather runs at ``full_shape``."""
+    """fp32 codes at stream bits ``bit`` of INT8 bytes ``packed`` [B, H, ng, bytes] (``modulus``:
+    fp32 2^width per code). The bit pattern is the same for every group, so shifts and moduli stay
+    at ``index_shape`` and broadcast; only the byte gather runs at ``full_shape``."""
     bsz, h = index_shape[0], index_shape[1]
-    data = _unsigned(b, packed)
+    data = _unsigned_float(b, packed)
     if straddles:  # one zero byte past the end for codes that run into the next byte
         pad_shape = b.shape_of(b.const([bsz, h]), ng1, b.const([1]))
-        pad = b.op("ConstantOfShape", pad_shape, value=numpy_helper.from_array(np.zeros(1, np.int32)))
+        pad = b.op("ConstantOfShape", pad_shape, value=numpy_helper.from_array(np.zeros(1, np.float32)))
         data = b.op("Concat", data, pad, axis=-1)
     byte_index = b.op("Div", bit, b.const(8, np.int32))
     index = b.cast(b.op("Reshape", byte_index, b.const(index_shape)), TensorProto.INT64)
@@ -417,11 +458,10 @@ def _gather_codes(b: Body, packed: str, bit: str, modulus: str, index_shape, ful
     word = b.op("GatherElements", data, index, axis=3)
     if straddles:
         hi = b.op("GatherElements", data, b.op("Add", index, b.const(1)), axis=3)
-        word = b.op("Add", word, b.op("Mul", hi, b.const(256, np.int32)))
+        word = b.op("Add", word, b.op("Mul", hi, b.const(256.0, np.float32)))
     shift = b.op("Reshape", b.mod(bit, b.const(8, np.int32)), b.const(index_shape))
-    pow2 = b.op("Gather", b.const([1 << j for j in range(8)], np.int32), shift)
-    modulus = b.op("Reshape", modulus, b.const(index_shape))
-    return b.mod(b.op("Div", word, pow2), modulus)
+    inverse_pow2 = b.op("Gather", b.const([2.0 ** -j for j in range(8)], np.float32), shift)
+    return _float_codes(b, word, inverse_pow2, b.op("Reshape", modulus, b.const(index_shape)))
 
 
 def _straddles(*widths: int) -> bool:
@@ -436,20 +476,20 @@ def _dequantize_values(b: Body, layout: CacheLayout, used: Dict[str, str], ng1: 
     bsz, h, d, gs = layout.batch, layout.kv_heads, layout.head_dim, cfg.group_size
     bv, nvb, vg = cfg.value_bits, layout.value_blocks, layout.value_block
     bit = np.arange(d) * bv
-    data = _unsigned(b, used["value_codes"])  # [B, H, ng, gs, VB]
+    data = _unsigned_float(b, used["value_codes"])  # [B, H, ng, gs, VB]
     if _straddles(bv):
         word = b.op("Gather", data, b.const(bit // 8), axis=4)
         pad_shape = b.shape_of(b.const([bsz, h]), ng1, b.const([gs, 1]))
-        pad = b.op("ConstantOfShape", pad_shape, value=numpy_helper.from_array(np.zeros(1, np.int32)))
+        pad = b.op("ConstantOfShape", pad_shape, value=numpy_helper.from_array(np.zeros(1, np.float32)))
         hi = b.op("Gather", b.op("Concat", data, pad, axis=-1), b.const(bit // 8 + 1), axis=4)
-        word = b.op("Add", word, b.op("Mul", hi, b.const(256, np.int32)))
-        pow2 = b.const([1 << (x % 8) for x in bit], np.int32)
+        word = b.op("Add", word, b.op("Mul", hi, b.const(256.0, np.float32)))
+        shifts = bit % 8
     else:  # 8 / bv whole codes per byte, in channel order: no gather needed
         word = b.op("Unsqueeze", data, b.const([5]))  # [B, H, ng, gs, VB, 1]
-        pow2 = b.const([1 << (j * bv) for j in range(8 // bv)], np.int32)
-    codes = b.mod(b.op("Div", word, pow2), b.const(1 << bv, np.int32))
+        shifts = np.arange(8 // bv) * bv
+    codes = _float_codes(b, word, b.const(2.0 ** -shifts, np.float32), b.const(float(1 << bv), np.float32))
     blocks = b.shape_of(b.const([bsz, h]), ng1, b.const([gs, nvb, vg]))
-    codes = b.op("Reshape", b.cast(codes, TensorProto.FLOAT), blocks)
+    codes = b.op("Reshape", codes, blocks)
     step = b.op("Unsqueeze", b.cast(used["value_step"], TensorProto.FLOAT), b.const([5]))
     offset = b.op("Unsqueeze", b.cast(used["value_offset"], TensorProto.FLOAT), b.const([5]))
     deq = b.op("Add", offset, b.op("Mul", step, codes))
@@ -480,7 +520,8 @@ def append_function(layout: CacheLayout, opset: int) -> onnx.FunctionProto:
 
     # The pair mask: computed from the keys of the first append into an empty cache.
     first = b.and_(b.op("Equal", seq_len, b.const(0)), b.op("Greater", new_len, b.const(0)))
-    mask = _to_int8(b, b.where(first, _saliency_mask(b, k_add, layout), _unsigned(b, "pair_mask")))
+    [mask] = b.if_(first, lambda t: [_to_int8(t, _saliency_mask(t, k_add, layout))],
+                   lambda e: ["pair_mask"], [TensorProto.INT8])
     b.output(mask, "present_pair_mask")
 
     # Every state tensor is rebuilt as a Gather from [old rows ; new rows] along the token or
@@ -490,32 +531,38 @@ def append_function(layout: CacheLayout, opset: int) -> onnx.FunctionProto:
         b.output(b.op("Gather", b.op("Concat", name, new, axis=2), sink_idx, axis=2), f"present_{name}")
 
     # The residual stream: what the residual holds, then the new tokens past the sink.
-    def stream_source(pos: str) -> str:
-        from_new = b.op("Add", b.op("Sub", pos, res0), b.op("Add", b.const(r), into_sink))
-        return b.where(b.op("Less", pos, res0), pos, from_new)
+    def stream_source(t: Body, pos: str) -> str:
+        from_new = t.op("Add", t.op("Sub", pos, res0), t.op("Add", t.const(r), into_sink))
+        return t.where(t.op("Less", pos, res0), pos, from_new)
 
     residual_slot = b.const(np.arange(r))
     kept = b.op("Add", residual_slot, b.op("Mul", new_groups, b.const(gs)))
-    residual_idx = b.where(b.op("Less", residual_slot, res1), stream_source(kept), residual_slot)
-    group_pos = b.op("Range", b.const(0), b.op("Mul", new_groups, b.const(gs)), b.const(1))
-    group_idx = stream_source(group_pos)
+    residual_idx = b.where(b.op("Less", residual_slot, res1), stream_source(b, kept), residual_slot)
     streams = {}
     for kind, new in (("k", k_add), ("v", v_add)):
-        stream = b.op("Concat", f"residual_{kind}", new, axis=2)
-        b.output(b.op("Gather", stream, residual_idx, axis=2), f"present_residual_{kind}")
-        streams[kind] = b.op("Gather", stream, group_idx, axis=2)  # [B, H, ng*gs, D]
+        streams[kind] = b.op("Concat", f"residual_{kind}", new, axis=2)
+        b.output(b.op("Gather", streams[kind], residual_idx, axis=2), f"present_residual_{kind}")
 
-    ng1 = b.op("Unsqueeze", new_groups, b.const([0]))
-    group_shape = b.shape_of(b.const([bsz, h]), ng1, b.const([gs, d]))
-    keys = b.cast(b.op("Reshape", streams["k"], group_shape), TensorProto.FLOAT)
-    values = b.cast(b.op("Reshape", streams["v"], group_shape), TensorProto.FLOAT)
-    high = _pair_high(b, mask, layout)
-    new_state = dict(zip(("key_codes", "key_step", "key_offset"), _quantize_keys(b, layout, keys, high, ng1)))
-    new_state.update(zip(("value_codes", "value_step", "value_offset"), _quantize_values(b, layout, values, ng1)))
-    slot_idx = _select_rows(b, np.arange(g), groups0, groups1, b.const(g), groups0)
-    for name, new in new_state.items():
-        merged = b.op("Gather", b.op("Concat", name, new, axis=2), slot_idx, axis=2)
-        b.output(merged, f"present_{name}")
+    def flush_groups(t: Body) -> List[str]:
+        """The groups this call completes, quantized into their slots."""
+        group_pos = t.op("Range", t.const(0), t.op("Mul", new_groups, t.const(gs)), t.const(1))
+        group_idx = stream_source(t, group_pos)
+        ng1 = t.op("Unsqueeze", new_groups, t.const([0]))
+        group_shape = t.shape_of(t.const([bsz, h]), ng1, t.const([gs, d]))
+        keys, values = (t.cast(t.op("Reshape", t.op("Gather", streams[kind], group_idx, axis=2), group_shape),
+                               TensorProto.FLOAT) for kind in ("k", "v"))  # [B, H, ng, gs, D]
+        high = _pair_high(t, mask, layout)
+        new_state = dict(zip(GROUP_STATE[:3], _quantize_keys(t, layout, keys, high, ng1)))
+        new_state.update(zip(GROUP_STATE[3:], _quantize_values(t, layout, values, ng1)))
+        slot_idx = _select_rows(t, np.arange(g), groups0, groups1, t.const(g), groups0)
+        return [t.op("Gather", t.op("Concat", name, new_state[name], axis=2), slot_idx, axis=2) for name in GROUP_STATE]
+
+    # Most calls complete no group (a decode step flushes one every group_size tokens): the
+    # quantizer runs only in the calls that do.
+    group_types = [STATE_ONNX_TYPES[name] for name in GROUP_STATE]
+    merged = b.if_(b.op("Greater", new_groups, b.const(0)), flush_groups, lambda e: list(GROUP_STATE), group_types)
+    for name, value in zip(GROUP_STATE, merged):
+        b.output(value, f"present_{name}")
     return _function(APPEND_OP, APPEND_INPUTS, APPEND_OUTPUTS, b, opset)
 
 
