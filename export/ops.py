@@ -256,10 +256,10 @@ def _unsigned_float(b: Body, codes_int8: str) -> str:
     return b.op("Sub", x, b.op("Mul", wraps, b.const(256.0, np.float32)))
 
 
-def _float_codes(b: Body, word: str, inverse_pow2: str, modulus: str) -> str:
-    """floor(word / 2^shift) mod 2^width for fp32 words of integers below 2^24: exact (products
-    with powers of two, floors of exact values)."""
-    shifted = b.op("Floor", b.op("Mul", word, inverse_pow2))
+def _float_codes(b: Body, scaled_word: str, modulus: str) -> str:
+    """floor(word * 2^-shift) mod 2^width from fp32 word * 2^-shift (words are integers below
+    2^24): exact (products with powers of two, floors of exact values)."""
+    shifted = b.op("Floor", scaled_word)
     above = b.op("Floor", b.op("Div", shifted, modulus))
     return b.op("Sub", shifted, b.op("Mul", above, modulus))
 
@@ -363,36 +363,40 @@ def attention_function(layout: CacheLayout, q_heads: int, opset: int) -> onnx.Fu
     s, r = cfg.sink_tokens, cfg.residual_size
     rep = q_heads // h
     b = Body("att")
+    f32 = TensorProto.FLOAT
     seq_len, new_len = "seq_len", "new_len"
     n_sink, n_groups, n_residual = _scalar_lengths(b, seq_len, cfg)
-
-    # Keys and values of the cache, dense fp32 [B, H, slots, D] in cache order, and for every
-    # slot its position and whether it holds a token.
-    # Only the n_groups group slots in use are unpacked: the work follows the context, not the
-    # capacity.
-    ng1 = b.op("Unsqueeze", n_groups, b.const([0]))
-    used = {name: b.op("Slice", name, b.const([0]), ng1, b.const([2]))
-            for name in GROUP_STATE}
-    high = _pair_high(b, "pair_mask", layout)
-    key_bits = _channel_bits(b, high, cfg)  # [B, H, D]
-    keys_g = _dequantize_keys(b, layout, key_bits, high, used, ng1)
-    values_g = _dequantize_values(b, layout, used, ng1)
-    f32 = TensorProto.FLOAT
-    keys = b.op("Concat", b.cast("sink_k", f32), keys_g, b.cast("residual_k", f32),
-                b.cast("k_new", f32), axis=2)
-    values = b.op("Concat", b.cast("sink_v", f32), values_g, b.cast("residual_v", f32),
-                  b.cast("v_new", f32), axis=2)
-
     n = b.op("Gather", b.op("Shape", "k_new"), b.const(2), axis=0)  # scalar
-    sink_slot = b.const(np.arange(s))
-    group_slot = b.op("Range", b.const(0), b.op("Mul", n_groups, b.const(gs)), b.const(1))
-    residual_slot = b.const(np.arange(r))
+    q = b.op("Reshape", b.cast("q", f32), b.shape_of(b.const([bsz, h, rep]), b.op("Unsqueeze", n, b.const([0])), b.const([d])))
+
+    # Slots in cache order: sink, groups, residual, new tokens. Only the n_groups group slots in
+    # use are unpacked (the work follows the context, not the capacity), and every one of them
+    # holds a token; the fp16 segments have unused rows, which may hold anything (even NaN).
+    ng1 = b.op("Unsqueeze", n_groups, b.const([0]))
+    used = {name: b.op("Slice", name, b.const([0]), ng1, b.const([2])) for name in GROUP_STATE}
+    sink_slot, residual_slot = b.const(np.arange(s)), b.const(np.arange(r))
     new_slot = b.op("Range", b.const(0), n, b.const(1))
-    valid = b.op("Concat",
-                 b.op("Less", sink_slot, n_sink),
-                 b.op("Less", b.op("Div", group_slot, b.const(gs)), n_groups),
-                 b.op("Less", residual_slot, n_residual),
-                 b.op("Less", new_slot, new_len), axis=0)
+    dense = {"sink": ("sink_k", "sink_v", b.op("Less", sink_slot, n_sink)),
+             "residual": ("residual_k", "residual_v", b.op("Less", residual_slot, n_residual)),
+             "new": ("k_new", "v_new", b.op("Less", new_slot, new_len))}
+
+    def dense_scores(segment: str) -> str:
+        keys = b.op("Unsqueeze", b.cast(dense[segment][0], f32), b.const([2]))  # [B, H, 1, T, D]
+        return b.op("MatMul", q, b.op("Transpose", keys, perm=[0, 1, 2, 4, 3]))
+
+    def dense_values(segment: str) -> str:  # unused rows zeroed, so 0 * garbage cannot leak in
+        rows = b.op("Unsqueeze", dense[segment][2], b.const([1]))  # [T, 1]
+        return b.where(rows, b.cast(dense[segment][1], f32), b.const(0.0, np.float32))
+
+    high = _pair_high(b, "pair_mask", layout)
+    group_scores = _group_scores(b, layout, q, rep, _channel_bits(b, high, cfg), high, used, ng1)
+    scores = b.op("Concat", dense_scores("sink"), group_scores, dense_scores("residual"), dense_scores("new"), axis=-1)
+    values = b.op("Concat", dense_values("sink"), _dequantize_values(b, layout, used, ng1), dense_values("residual"),
+                  dense_values("new"), axis=2)
+
+    group_slot = b.op("Range", b.const(0), b.op("Mul", n_groups, b.const(gs)), b.const(1))
+    valid = b.op("Concat", dense["sink"][2], b.op("Less", group_slot, b.op("Mul", n_groups, b.const(gs))),
+                 dense["residual"][2], dense["new"][2], axis=0)
     residual_base = b.op("Add", b.const(s), b.op("Mul", n_groups, b.const(gs)))
     position = b.op("Concat", sink_slot, b.op("Add", group_slot, b.const(s)),
                     b.op("Add", residual_slot, residual_base), b.op("Add", new_slot, seq_len), axis=0)
@@ -403,65 +407,66 @@ def attention_function(layout: CacheLayout, q_heads: int, opset: int) -> onnx.Fu
                      b.op("LessOrEqual", b.op("Unsqueeze", position, b.const([0])), query_pos))
 
     # GQA: query head hq = kv_head * rep + j reads kv_head.
-    q = b.op("Reshape", b.cast("q", f32), b.shape_of(b.const([bsz, h, rep]), b.op("Unsqueeze", n, b.const([0])), b.const([d])))
-    keys5 = b.op("Unsqueeze", keys, b.const([2]))  # [B, H, 1, T, D]
-    scores = b.op("MatMul", q, b.op("Transpose", keys5, perm=[0, 1, 2, 4, 3]))
     scores = b.op("Mul", scores, b.const(1.0 / math.sqrt(d), np.float32))
     scores = b.where(allowed, scores, b.const(-np.inf, np.float32))
     probs = b.op("Softmax", scores, axis=-1)
-    # Unused slots may hold anything (even NaN): zero them so 0 * garbage cannot leak in.
-    valid_rows = b.op("Unsqueeze", valid, b.const([1]))  # [T, 1]
-    values = b.where(valid_rows, values, b.const(0.0, np.float32))
     out = b.op("MatMul", probs, b.op("Unsqueeze", values, b.const([2])))  # [B, H, rep, n, D]
     out = b.op("Reshape", out, b.shape_of(b.const([bsz, q_heads]), b.op("Unsqueeze", n, b.const([0])), b.const([d])))
     b.output(out, "attention")
     return _function(ATTENTION_OP, ATTENTION_INPUTS, ATTENTION_OUTPUTS, b, opset)
 
 
-def _dequantize_keys(b: Body, layout: CacheLayout, key_bits: str, high: str, used: Dict[str, str], ng1: str) -> str:
-    """The used groups' key_codes/step/offset [B, H, ng, ...] -> fp32 [B, H, ng*gs, D]."""
+def _group_scores(b: Body, layout: CacheLayout, q: str, rep: int, key_bits: str, high: str, used: Dict[str, str],
+                  ng1: str) -> str:
+    """q [B, H, rep, n, D] . the used groups' keys -> scores [B, H, rep, n, ng*gs] in slot order.
+
+    The keys are unpacked channel-major, as they are stored ([B, H, ng, D, gs]), and q multiplies
+    each group without a transpose of the keys; only the small scores are transposed. The bit
+    pattern is the same in every group, so code positions, shifts and moduli are computed once at
+    [B, H, 1, D*gs] and broadcast along the group axis (ONNX Runtime's broadcast loop is fast
+    along a long last axis, slow along a short one)."""
     cfg = layout.config
     bsz, h, d, gs = layout.batch, layout.kv_heads, layout.head_dim, cfg.group_size
+    f32 = TensorProto.FLOAT
     start = _channel_start_bits(b, key_bits, layout)  # [B, H, D]
     token = b.const(np.arange(gs, dtype=np.int32)[None, None, None, :], np.int32)
     bit = b.op("Add", b.op("Unsqueeze", start, b.const([3])),
                b.op("Mul", token, b.op("Unsqueeze", key_bits, b.const([3]))))  # [B, H, D, gs]
+    per_code = b.const([bsz, h, 1, d * gs])
+    data = _unsigned_float(b, used["key_codes"])  # [B, H, ng, KB]
+    if _straddles(cfg.key_high_bits, cfg.key_low_bits):  # 16-bit words: byte i + 256 * byte i+1 (0 past the end)
+        pad = b.op("ConstantOfShape", b.shape_of(b.const([bsz, h]), ng1, b.const([1])),
+                   value=numpy_helper.from_array(np.zeros(1, np.float32)))
+        after = b.op("Slice", b.op("Concat", data, pad, axis=3), b.const([1]), b.const([layout.key_group_bytes + 1]),
+                     b.const([3]))
+        data = b.op("Add", data, b.op("Mul", after, b.const(256.0, np.float32)))
+    index = b.op("Reshape", b.op("Div", bit, b.const(8, np.int32)), per_code)
+    index = b.op("Expand", index, b.shape_of(b.const([bsz, h]), ng1, b.const([d * gs])))
+    word = b.op("GatherElements", data, index, axis=3)  # [B, H, ng, D*gs]
+    shift = b.op("Reshape", b.mod(bit, b.const(8, np.int32)), per_code)
+    inverse_pow2 = b.op("Gather", b.const([2.0 ** -j for j in range(8)], np.float32), shift)
     modulus = b.where(high, b.const(float(1 << cfg.key_high_bits), np.float32),
                       b.const(float(1 << cfg.key_low_bits), np.float32))
-    modulus = b.op("Expand", b.op("Unsqueeze", modulus, b.const([3])), b.const([bsz, h, d, gs]))
-    full = b.shape_of(b.const([bsz, h]), ng1, b.const([d * gs]))
-    codes = _gather_codes(b, used["key_codes"], bit, modulus, [bsz, h, 1, d * gs], full, ng1,
-                          straddles=_straddles(cfg.key_high_bits, cfg.key_low_bits))
-    codes = b.op("Reshape", codes, b.shape_of(b.const([bsz, h]), ng1, b.const([d, gs])))
-    step = b.op("Unsqueeze", b.cast(used["key_step"], TensorProto.FLOAT), b.const([4]))
-    offset = b.op("Unsqueeze", b.cast(used["key_offset"], TensorProto.FLOAT), b.const([4]))
-    deq = b.op("Add", offset, b.op("Mul", step, codes))  # [B,H,ng,D,gs]
-    deq = b.op("Transpose", deq, perm=[0, 1, 2, 4, 3])
-    tokens = b.op("Mul", ng1, b.const([gs]))  # no -1: the shape must be exact when ng is 0
-    return b.op("Reshape", deq, b.shape_of(b.const([bsz, h]), tokens, b.const([d])))
+    modulus = b.op("Reshape", b.op("Expand", b.op("Unsqueeze", modulus, b.const([3])), b.const([bsz, h, d, gs])),
+                   per_code)
+    codes = _float_codes(b, b.op("Mul", word, inverse_pow2), modulus)
+    codes = b.op("Reshape", codes, b.shape_of(b.const([bsz, h]), ng1, b.const([d, gs])), allowzero=1)  # [B, H, ng, D, gs]
+    step, offset = (b.op("Unsqueeze", b.cast(used[name], f32), b.const([4])) for name in ("key_step", "key_offset"))
+    keys = b.op("Add", offset, b.op("Mul", step, codes))
+    rows = b.op("Slice", b.op("Shape", q), b.const([2]), b.const([4]))  # [rep, n]
+    q_rows = b.op("Reshape", q, b.const([bsz, h, 1, -1, d]))  # [B, H, 1, rep*n, D]
+    scores = b.op("MatMul", q_rows, keys)  # [B, H, ng, rep*n, gs]
+    scores = b.op("Transpose", scores, perm=[0, 1, 3, 2, 4])  # [B, H, rep*n, ng, gs]
+    tokens = b.op("Mul", ng1, b.const([gs]))  # allowzero: ng may be 0, and 0 must not copy a dimension
+    return b.op("Reshape", scores, b.shape_of(b.const([bsz, h]), rows, tokens), allowzero=1)
 
 
-def _gather_codes(b: Body, packed: str, bit: str, modulus: str, index_shape, full_shape: str, ng1: str,
-                  straddles: bool) -> str:
-    """fp32 codes at stream bits ``bit`` of INT8 bytes ``packed`` [B, H, ng, bytes] (``modulus``:
-    fp32 2^width per code). The bit pattern is the same for every group, so shifts and moduli stay
-    at ``index_shape`` and broadcast; only the byte gather runs at ``full_shape``."""
-    bsz, h = index_shape[0], index_shape[1]
-    data = _unsigned_float(b, packed)
-    if straddles:  # one zero byte past the end for codes that run into the next byte
-        pad_shape = b.shape_of(b.const([bsz, h]), ng1, b.const([1]))
-        pad = b.op("ConstantOfShape", pad_shape, value=numpy_helper.from_array(np.zeros(1, np.float32)))
-        data = b.op("Concat", data, pad, axis=-1)
-    byte_index = b.op("Div", bit, b.const(8, np.int32))
-    index = b.cast(b.op("Reshape", byte_index, b.const(index_shape)), TensorProto.INT64)
-    index = b.op("Expand", index, full_shape)
-    word = b.op("GatherElements", data, index, axis=3)
-    if straddles:
-        hi = b.op("GatherElements", data, b.op("Add", index, b.const(1)), axis=3)
-        word = b.op("Add", word, b.op("Mul", hi, b.const(256.0, np.float32)))
-    shift = b.op("Reshape", b.mod(bit, b.const(8, np.int32)), b.const(index_shape))
-    inverse_pow2 = b.op("Gather", b.const([2.0 ** -j for j in range(8)], np.float32), shift)
-    return _float_codes(b, word, inverse_pow2, b.op("Reshape", modulus, b.const(index_shape)))
+def _byte_codes_table(bits: int) -> np.ndarray:
+    """[256, 8/bits] fp32: the codes of a byte, lowest bits first. Indexed by the signed INT8
+    byte itself: ONNX Gather reads a negative index from the end, row 256 + x, which is the
+    unsigned value of the byte (no conversion of the codes first)."""
+    byte = np.arange(256)[:, None]
+    return ((byte >> (np.arange(8 // bits)[None, :] * bits)) & ((1 << bits) - 1)).astype(np.float32)
 
 
 def _straddles(*widths: int) -> bool:
@@ -475,19 +480,19 @@ def _dequantize_values(b: Body, layout: CacheLayout, used: Dict[str, str], ng1: 
     cfg = layout.config
     bsz, h, d, gs = layout.batch, layout.kv_heads, layout.head_dim, cfg.group_size
     bv, nvb, vg = cfg.value_bits, layout.value_blocks, layout.value_block
-    bit = np.arange(d) * bv
-    data = _unsigned_float(b, used["value_codes"])  # [B, H, ng, gs, VB]
     if _straddles(bv):
+        bit = np.arange(d) * bv
+        data = _unsigned_float(b, used["value_codes"])  # [B, H, ng, gs, VB]
         word = b.op("Gather", data, b.const(bit // 8), axis=4)
         pad_shape = b.shape_of(b.const([bsz, h]), ng1, b.const([gs, 1]))
         pad = b.op("ConstantOfShape", pad_shape, value=numpy_helper.from_array(np.zeros(1, np.float32)))
         hi = b.op("Gather", b.op("Concat", data, pad, axis=-1), b.const(bit // 8 + 1), axis=4)
         word = b.op("Add", word, b.op("Mul", hi, b.const(256.0, np.float32)))
-        shifts = bit % 8
-    else:  # 8 / bv whole codes per byte, in channel order: no gather needed
-        word = b.op("Unsqueeze", data, b.const([5]))  # [B, H, ng, gs, VB, 1]
-        shifts = np.arange(8 // bv) * bv
-    codes = _float_codes(b, word, b.const(2.0 ** -shifts, np.float32), b.const(float(1 << bv), np.float32))
+        codes = _float_codes(b, b.op("Mul", word, b.const(2.0 ** -(bit % 8), np.float32)),
+                             b.const(float(1 << bv), np.float32))
+    else:  # 8 / bv whole codes per byte, in channel order: one table row per byte
+        codes = b.op("Gather", b.const(_byte_codes_table(bv), np.float32),
+                     b.cast(used["value_codes"], TensorProto.INT32), axis=0)  # [B, H, ng, gs, VB, 8/bv]
     blocks = b.shape_of(b.const([bsz, h]), ng1, b.const([gs, nvb, vg]))
     codes = b.op("Reshape", codes, blocks)
     step = b.op("Unsqueeze", b.cast(used["value_step"], TensorProto.FLOAT), b.const([5]))
