@@ -83,6 +83,18 @@ def test_function_bodies_unpack_with_plain_arithmetic_and_standard_ops_only(expo
             assert "Floor" in used
 
 
+def test_append_runs_the_quantizer_and_the_saliency_mask_only_under_if(exported):
+    # A decode step completes a group once in group_size calls and the mask is computed once per
+    # sequence: that work sits in If branches, so ONNX Runtime skips it on the other calls.
+    model = onnx.load(exported["manifest"])
+    append = next(f for f in model.functions if f.name == ops.APPEND_OP)
+    top = {n.op_type for n in append.node}
+    branches = {n.op_type for n in all_nodes(append.node)} - top
+    assert "If" in top
+    assert {"ScatterElements", "Round", "ReduceMin", "ReduceSum"} <= branches
+    assert not top & {"ScatterElements", "Round", "ReduceMin", "ReduceMax"}
+
+
 def test_fp16_tensors_only_feed_data_movement(exported):
     # ONNX Runtime has no fp16 kernels for arithmetic or Where on CPU; around such a node it
     # inserts fp32 casts and then removes the fp16 rounding of a step or offset as a redundant
