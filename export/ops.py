@@ -428,10 +428,6 @@ def _group_scores(b: Body, layout: CacheLayout, q: str, rep: int, key_bits: str,
     cfg = layout.config
     bsz, h, d, gs = layout.batch, layout.kv_heads, layout.head_dim, cfg.group_size
     f32 = TensorProto.FLOAT
-    start = _channel_start_bits(b, key_bits, layout)  # [B, H, D]
-    token = b.const(np.arange(gs, dtype=np.int32)[None, None, None, :], np.int32)
-    bit = b.op("Add", b.op("Unsqueeze", start, b.const([3])),
-               b.op("Mul", token, b.op("Unsqueeze", key_bits, b.const([3]))))  # [B, H, D, gs]
     per_code = b.const([bsz, h, 1, d * gs])
     data = _unsigned_float(b, used["key_codes"])  # [B, H, ng, KB]
     if _straddles(cfg.key_high_bits, cfg.key_low_bits):  # 16-bit words: byte i + 256 * byte i+1 (0 past the end)
@@ -440,15 +436,9 @@ def _group_scores(b: Body, layout: CacheLayout, q: str, rep: int, key_bits: str,
         after = b.op("Slice", b.op("Concat", data, pad, axis=3), b.const([1]), b.const([layout.key_group_bytes + 1]),
                      b.const([3]))
         data = b.op("Add", data, b.op("Mul", after, b.const(256.0, np.float32)))
-    index = b.op("Reshape", b.op("Div", bit, b.const(8, np.int32)), per_code)
-    index = b.op("Expand", index, b.shape_of(b.const([bsz, h]), ng1, b.const([d * gs])))
+    byte, inverse_pow2, modulus = (b.op("Reshape", x, per_code) for x in _key_code_positions(b, layout, key_bits, high))
+    index = b.op("Expand", byte, b.shape_of(b.const([bsz, h]), ng1, b.const([d * gs])))
     word = b.op("GatherElements", data, index, axis=3)  # [B, H, ng, D*gs]
-    shift = b.op("Reshape", b.mod(bit, b.const(8, np.int32)), per_code)
-    inverse_pow2 = b.op("Gather", b.const([2.0 ** -j for j in range(8)], np.float32), shift)
-    modulus = b.where(high, b.const(float(1 << cfg.key_high_bits), np.float32),
-                      b.const(float(1 << cfg.key_low_bits), np.float32))
-    modulus = b.op("Reshape", b.op("Expand", b.op("Unsqueeze", modulus, b.const([3])), b.const([bsz, h, d, gs])),
-                   per_code)
     codes = _float_codes(b, b.op("Mul", word, inverse_pow2), modulus)
     codes = b.op("Reshape", codes, b.shape_of(b.const([bsz, h]), ng1, b.const([d, gs])), allowzero=1)  # [B, H, ng, D, gs]
     step, offset = (b.op("Unsqueeze", b.cast(used[name], f32), b.const([4])) for name in ("key_step", "key_offset"))
@@ -459,6 +449,34 @@ def _group_scores(b: Body, layout: CacheLayout, q: str, rep: int, key_bits: str,
     scores = b.op("Transpose", scores, perm=[0, 1, 3, 2, 4])  # [B, H, rep*n, ng, gs]
     tokens = b.op("Mul", ng1, b.const([gs]))  # allowzero: ng may be 0, and 0 must not copy a dimension
     return b.op("Reshape", scores, b.shape_of(b.const([bsz, h]), rows, tokens), allowzero=1)
+
+
+def _key_code_positions(b: Body, layout: CacheLayout, key_bits: str, high: str) -> Tuple[str, str, str]:
+    """For key code (c, t) of a group [B, H, D, gs]: the byte it starts in (int32), 2^-(its bit in
+    that byte) and 2^bits(c) (fp32), from its stream bit start(c) + t * bits(c).
+
+    group_size is a multiple of 8 (a config rule), so every channel's codes start on a whole byte
+    (start(c) = gs * the bits of the channels before it) and the shift and in-channel byte depend
+    on t and the channel's width only: two constant rows per quantity, blended by the high/low flag
+    in fp32 (exact: 0/1 weights, small integers and powers of two). ONNX Runtime runs these
+    broadcasts along the token axis as vector loops, where integer Div/Mod and a table Gather per
+    code are loops over elements."""
+    cfg = layout.config
+    gs = cfg.group_size
+    f32 = TensorProto.FLOAT
+    t = np.arange(gs)
+    high_f = b.op("Unsqueeze", b.cast(high, f32), b.const([3]))  # [B, H, D, 1]
+
+    def blend(low_row: np.ndarray, high_row: np.ndarray) -> str:
+        return b.op("Add", b.const(low_row, np.float32), b.op("Mul", high_f, b.const(high_row - low_row, np.float32)))
+
+    rows = {w: (t * w // 8, 2.0 ** -(t * w % 8)) for w in (cfg.key_low_bits, cfg.key_high_bits)}
+    lo, hi = rows[cfg.key_low_bits], rows[cfg.key_high_bits]
+    start = _channel_start_bits(b, key_bits, layout)  # [B, H, D], a multiple of 8
+    start_byte = b.op("Unsqueeze", b.cast(b.op("Div", start, b.const(8, np.int32)), f32), b.const([3]))
+    byte = b.cast(b.op("Add", start_byte, blend(lo[0], hi[0])), TensorProto.INT32)
+    modulus = blend(np.full(gs, 2.0 ** cfg.key_low_bits), np.full(gs, 2.0 ** cfg.key_high_bits))
+    return byte, blend(lo[1], hi[1]), modulus
 
 
 def _byte_codes_table(bits: int) -> np.ndarray:
