@@ -660,10 +660,10 @@ def render_plot(report: Dict[str, Any]) -> bytes:
         ax.set_ylabel("accuracy (all digits right)")
         ax.set_ylim(0, 1.05)
         ax.set_title("passkey retrieval, mean over depths")
-        ax.legend(fontsize=8, loc="lower left")
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)  # clear of the bars
     fig.suptitle(f"{report['model']}: KV-cache methods vs {REFERENCE}")
     fig.tight_layout()
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=110)
+    fig.savefig(buffer, format="png", dpi=110, bbox_inches="tight")  # the legend outside the axes
     plt.close(fig)
     return buffer.getvalue()
