@@ -144,7 +144,7 @@ def verify_llm(onnx_path: Path, model: str, text: Optional[Path] = None, prompt_
         ort_logits = session.step(feed)
         kv = _probe_kv(probe, feed, seq_before, past)
         with torch.no_grad():
-            out = hf_model(torch.tensor([feed]), past_key_values=cache, use_cache=True)
+            out = hf_model(torch.tensor([feed]), cache=cache, use_cache=True)
         torch_logits = out.logits[0, -1].float().numpy()
         record = _compare_step(layout, session, cache, kv, past, seq_before, len(feed))
         record["step"] = "prefill" if step == 0 else f"decode {step}"
