@@ -12,8 +12,9 @@ pnmix.export.ops --write``; a test keeps it current, and tests/test_trt_fields.p
 against the plugins' own field list). The plugins compile the names, version and input positions
 from plugins/include/pnmix/generated.h (pnmix/codegen.py writes it from this module).
 
-The function bodies use only standard ops (no BitShift/BitwiseAnd: bits come out with integer
-Div, Mul and Sub) and follow pnmix/quant.py's bit-exact rules, so the packed bytes equal
+The function bodies use only standard ops (no BitShift/BitwiseAnd: codes come out with
+floor/Mul/Sub in fp32, exact for small integers, and bits are packed with integer Div, Mul and
+Sub) and follow pnmix/quant.py's bit-exact rules, so the packed bytes equal
 ``pnmix.cache.append_reference`` byte for byte. A body is generated for the config written in
 the node's attributes (shapes such as the group size are part of the body); the exporter writes
 both from the same config.
@@ -256,6 +257,14 @@ def _unsigned_float(b: Body, codes_int8: str) -> str:
     return b.op("Sub", x, b.op("Mul", wraps, b.const(256.0, np.float32)))
 
 
+def _byte_pairs(b: Body, data: str, axis: int, length: int, pad_shape: str) -> str:
+    """fp32 bytes 0..255 along ``axis`` (``length`` of them) -> byte[i] + 256 * byte[i+1] (0 past
+    the end): the 16-bit window a code that straddles two bytes is read from."""
+    pad = b.op("ConstantOfShape", pad_shape, value=numpy_helper.from_array(np.zeros(1, np.float32)))
+    after = b.op("Slice", b.op("Concat", data, pad, axis=axis), b.const([1]), b.const([length + 1]), b.const([axis]))
+    return b.op("Add", data, b.op("Mul", after, b.const(256.0, np.float32)))
+
+
 def _float_codes(b: Body, scaled_word: str, modulus: str) -> str:
     """floor(word * 2^-shift) mod 2^width from fp32 word * 2^-shift (words are integers below
     2^24): exact (products with powers of two, floors of exact values)."""
@@ -394,10 +403,11 @@ def attention_function(layout: CacheLayout, q_heads: int, opset: int) -> onnx.Fu
     values = b.op("Concat", dense_values("sink"), _dequantize_values(b, layout, used, ng1), dense_values("residual"),
                   dense_values("new"), axis=2)
 
-    group_slot = b.op("Range", b.const(0), b.op("Mul", n_groups, b.const(gs)), b.const(1))
-    valid = b.op("Concat", dense["sink"][2], b.op("Less", group_slot, b.op("Mul", n_groups, b.const(gs))),
+    group_tokens = b.op("Mul", n_groups, b.const(gs))
+    group_slot = b.op("Range", b.const(0), group_tokens, b.const(1))
+    valid = b.op("Concat", dense["sink"][2], b.op("Less", group_slot, group_tokens),  # every used group slot
                  dense["residual"][2], dense["new"][2], axis=0)
-    residual_base = b.op("Add", b.const(s), b.op("Mul", n_groups, b.const(gs)))
+    residual_base = b.op("Add", b.const(s), group_tokens)
     position = b.op("Concat", sink_slot, b.op("Add", group_slot, b.const(s)),
                     b.op("Add", residual_slot, residual_base), b.op("Add", new_slot, seq_len), axis=0)
     # Query i sits at seq_len + new_len - n + i and sees valid slots at positions <= its own.
@@ -430,12 +440,8 @@ def _group_scores(b: Body, layout: CacheLayout, q: str, rep: int, key_bits: str,
     f32 = TensorProto.FLOAT
     per_code = b.const([bsz, h, 1, d * gs])
     data = _unsigned_float(b, used["key_codes"])  # [B, H, ng, KB]
-    if _straddles(cfg.key_high_bits, cfg.key_low_bits):  # 16-bit words: byte i + 256 * byte i+1 (0 past the end)
-        pad = b.op("ConstantOfShape", b.shape_of(b.const([bsz, h]), ng1, b.const([1])),
-                   value=numpy_helper.from_array(np.zeros(1, np.float32)))
-        after = b.op("Slice", b.op("Concat", data, pad, axis=3), b.const([1]), b.const([layout.key_group_bytes + 1]),
-                     b.const([3]))
-        data = b.op("Add", data, b.op("Mul", after, b.const(256.0, np.float32)))
+    if _straddles(cfg.key_high_bits, cfg.key_low_bits):
+        data = _byte_pairs(b, data, 3, layout.key_group_bytes, b.shape_of(b.const([bsz, h]), ng1, b.const([1])))
     byte, inverse_pow2, modulus = (b.op("Reshape", x, per_code) for x in _key_code_positions(b, layout, key_bits, high))
     index = b.op("Expand", byte, b.shape_of(b.const([bsz, h]), ng1, b.const([d * gs])))
     word = b.op("GatherElements", data, index, axis=3)  # [B, H, ng, D*gs]
@@ -501,11 +507,8 @@ def _dequantize_values(b: Body, layout: CacheLayout, used: Dict[str, str], ng1: 
     if _straddles(bv):
         bit = np.arange(d) * bv
         data = _unsigned_float(b, used["value_codes"])  # [B, H, ng, gs, VB]
-        word = b.op("Gather", data, b.const(bit // 8), axis=4)
-        pad_shape = b.shape_of(b.const([bsz, h]), ng1, b.const([gs, 1]))
-        pad = b.op("ConstantOfShape", pad_shape, value=numpy_helper.from_array(np.zeros(1, np.float32)))
-        hi = b.op("Gather", b.op("Concat", data, pad, axis=-1), b.const(bit // 8 + 1), axis=4)
-        word = b.op("Add", word, b.op("Mul", hi, b.const(256.0, np.float32)))
+        pairs = _byte_pairs(b, data, 4, layout.value_token_bytes, b.shape_of(b.const([bsz, h]), ng1, b.const([gs, 1])))
+        word = b.op("Gather", pairs, b.const(bit // 8), axis=4)
         codes = _float_codes(b, b.op("Mul", word, b.const(2.0 ** -(bit % 8), np.float32)),
                              b.const(float(1 << bv), np.float32))
     else:  # 8 / bv whole codes per byte, in channel order: one table row per byte
