@@ -9,10 +9,11 @@ The file serves prefill, decode and evaluation alike; the KV cache is explicit s
 * outputs: ``attention`` fp32 [B, Hq, n, D] (per head, before o_proj), ``output`` fp32
   [B, n, d_model] and ``present_<name>`` for each state tensor.
 
-The model part gathers fp32 q/k/v rows from token tables and applies RoPE with the same
-element-wise ops as pnmix.model.apply_rope, so the fp16 K/V equal the reference's bit for bit.
-Nodes are written with onnx.helper (every node is ours, nothing is traced; not the TorchScript
-exporter), then the model goes through onnx-ir (finish_with_onnx_ir) for its clean-up passes.
+The file is traced, by the same exporter as the Llama family (export/tracing.py), from
+``DiagnosticStep``: a PyTorch module that calls pnmix.model.project (the reference's own token
+tables and RoPE, so the fp16 K/V equal the reference's bit for bit) and the two ops of
+export/torch_ops.py. The traced model then goes through onnx-ir (finish_with_onnx_ir) for its
+clean-up passes; weights stay inline (one self-contained file).
 """
 
 from __future__ import annotations
@@ -21,20 +22,22 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+import torch
+from onnx import TensorProto, helper
+from torch import nn
 
 from pnmix import defaults
 from pnmix.config import PnMixConfig
 from pnmix.errors import PnMixError
 from pnmix.format import STATE_NAMES, CacheLayout
-from pnmix.model import (D_MODEL, HEAD_DIM, KV_HEADS, Q_HEADS, SEED_RANGE, DiagnosticModel, pair_channels,
-                         rope_tables)
+from pnmix.model import HEAD_DIM, KV_HEADS, Q_HEADS, SEED_RANGE, DiagnosticModel, project, rope_indices, rope_tables
 
-from . import ops
+from . import ops, torch_ops, tracing
+from .tracing import META_PREFIX  # noqa: F401  (the metadata prefix's old home; readers import it here)
 
 MIN_OPSET = 18  # ReduceMin/ReduceMax take axes as an input from opset 18
 DEFAULT_OPSET = defaults.EXPORT_OPSET
@@ -42,9 +45,10 @@ DEFAULT_OPSET = defaults.EXPORT_OPSET
 # of weights and graph; protobuf caps a file with inline data at 2 GiB.
 ROPE_BYTES_PER_TOKEN = HEAD_DIM * 4
 MAX_EXPORT_SEQ_LEN = ((1 << 31) - (4 << 20)) // ROPE_BYTES_PER_TOKEN
-EXPORT_BYTES_PER_TOKEN = 768  # peak memory while building and checking, measured (~640 at 1M-4M)
+EXPORT_BYTES_PER_TOKEN = 1024  # peak memory while tracing and checking, measured (~900 at 1M-4M positions)
 WEIGHT_NAMES = ("q_table", "k_table", "v_table", "o_weight_t")
-META_PREFIX = "pnmix."
+GRAPH_INPUTS = ("tokens", "seq_len", "new_len", *STATE_NAMES)
+GRAPH_OUTPUTS = ("attention", "output", *(f"present_{name}" for name in STATE_NAMES))
 
 
 @dataclass(frozen=True)
@@ -89,83 +93,68 @@ def check_export_args(config: PnMixConfig, max_seq_len: int, batch: int, opset: 
     return layout
 
 
+class DiagnosticStep(nn.Module):
+    """One call of the diagnostic model's file, in PyTorch: what build_model traces.
+
+    The model part is pnmix.model.project itself (token tables, RoPE, fp16 K/V) at the positions
+    seq_len + new_len - n .. (write mode starts at seq_len, evaluation at seq_len - n), then the
+    two pn-mix ops and the output projection."""
+
+    def __init__(self, config: PnMixConfig, layout: CacheLayout, seed: int):
+        super().__init__()
+        self.layout, self.pair_layout = layout, config.pair_layout
+        self.config_text = torch_ops.config_text(config)
+        for name, array in seed_weights(seed).items():  # initializer names = WEIGHT_NAMES
+            self.register_buffer(name, torch.from_numpy(array))
+        cos, sin = rope_tables(layout.max_seq_len)
+        rope_indices(HEAD_DIM, config.pair_layout)  # constants now, not traced code
+        self.register_buffer("rope_cos", cos)
+        self.register_buffer("rope_sin", sin)
+
+    def forward(self, tokens, seq_len, new_len, state: List[torch.Tensor]):
+        n = tokens.shape[1]
+        # arange over n alone, then shift: the Range's length then depends on the input shape only,
+        # so TensorRT keeps seq_len/new_len as ordinary execution tensors, not shape inputs.
+        positions = torch.arange(n) + (seq_len + new_len - n)
+        qkv = project((self.q_table, self.k_table, self.v_table), tokens, self.rope_cos.index_select(0, positions),
+                      self.rope_sin.index_select(0, positions), self.pair_layout)
+        capacity = self.layout.max_seq_len
+        attention = torch_ops.attention(qkv.q, qkv.k, qkv.v, seq_len, new_len, state, self.config_text, capacity)
+        present = torch_ops.append(qkv.k, qkv.v, seq_len, new_len, state, self.config_text, capacity)
+        merged = attention.transpose(1, 2).reshape(tokens.shape[0], -1, Q_HEADS * HEAD_DIM)
+        return (attention, torch.matmul(merged, self.o_weight_t), *present)
+
+    def example(self) -> tuple:
+        prefill = min(self.layout.max_seq_len, 2 * self.layout.config.group_size + 1)
+        shapes = self.layout.state_shapes()
+        state = [torch.zeros(shapes[name], dtype=_torch_dtype(name)) for name in STATE_NAMES]
+        return (torch.zeros(self.layout.batch, prefill, dtype=torch.long), torch.tensor(0), torch.tensor(prefill), state)
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    """The graph's dtype of a state tensor (codes and mask INT8, the rest fp16)."""
+    return {TensorProto.INT8: torch.int8, TensorProto.FLOAT16: torch.float16}[ops.STATE_ONNX_TYPES[name]]
+
+
 def build_model(config: PnMixConfig, max_seq_len: int = defaults.EXPORT_MAX_SEQ_LEN, batch: int = defaults.EXPORT_BATCH,
                 seed: int = defaults.MODEL_SEED,
                 opset: int = DEFAULT_OPSET) -> onnx.ModelProto:
-    """The ONNX model (in memory) of the diagnostic model with a cache of max_seq_len tokens."""
+    """The ONNX model (in memory) of the diagnostic model with a cache of max_seq_len tokens,
+    traced from DiagnosticStep by the one exporter (export/tracing.py)."""
+    import onnx_ir as ir
+
     layout = check_export_args(config, max_seq_len, batch, opset, seed)
-    b = ops.Body("model")
-    weights = seed_weights(seed)
-    cos, sin = rope_tables(max_seq_len)
-    initializers = [numpy_helper.from_array(array, name) for name, array in weights.items()]
-    initializers += [numpy_helper.from_array(cos.numpy(), "rope_cos"), numpy_helper.from_array(sin.numpy(), "rope_sin")]
-
-    # Positions: write mode starts at seq_len, evaluation at seq_len - n; both are
-    # seq_len + new_len - n.
-    n = b.op("Gather", b.op("Shape", "tokens"), b.const(1), axis=0)
-    start = b.op("Sub", b.op("Add", "seq_len", "new_len"), n)
-    # Range over n alone, then shift: the Range's length then depends on the input shape only,
-    # so TensorRT keeps seq_len/new_len as ordinary execution tensors, not shape inputs.
-    positions = b.op("Add", b.op("Range", b.const(0), n, b.const(1)), start)
-    cos_n = b.op("Gather", "rope_cos", positions, axis=0)  # [n, P]
-    sin_n = b.op("Gather", "rope_sin", positions, axis=0)
-
-    def heads(table: str, count: int) -> str:
-        rows = b.op("Gather", table, "tokens", axis=0)  # [B, n, count*D]
-        split = b.op("Reshape", rows, b.const([batch, -1, count, HEAD_DIM]))
-        return b.op("Transpose", split, perm=[0, 2, 1, 3])  # [B, count, n, D]
-
-    first, second = pair_channels(HEAD_DIM, config.pair_layout)
-    order = np.argsort(np.concatenate([first.numpy(), second.numpy()]))
-
-    def rope(x: str) -> str:
-        # pnmix.model.apply_rope, op for op: a*cos - b*sin, a*sin + b*cos.
-        a = b.op("Gather", x, b.const(first.numpy()), axis=3)
-        c = b.op("Gather", x, b.const(second.numpy()), axis=3)
-        out_a = b.op("Sub", b.op("Mul", a, cos_n), b.op("Mul", c, sin_n))
-        out_b = b.op("Add", b.op("Mul", a, sin_n), b.op("Mul", c, cos_n))
-        return b.op("Gather", b.op("Concat", out_a, out_b, axis=3), b.const(order), axis=3)
-
-    fp16 = TensorProto.FLOAT16
-    q = b.cast(rope(heads("q_table", Q_HEADS)), fp16)
-    k = b.cast(rope(heads("k_table", KV_HEADS)), fp16)
-    v = b.cast(heads("v_table", KV_HEADS), fp16)
-    attrs = ops.node_attributes(config)
-    b.nodes.append(helper.make_node(ops.ATTENTION_OP, [q, k, v, "seq_len", "new_len", *STATE_NAMES],
-                                    ["attention"], name="pnmix_attention", domain=ops.DOMAIN, **attrs))
-    b.nodes.append(helper.make_node(ops.APPEND_OP, [k, v, "seq_len", "new_len", *STATE_NAMES],
-                                    list(ops.APPEND_OUTPUTS), name="pnmix_append", domain=ops.DOMAIN, **attrs))
-    merged = b.op("Reshape", b.op("Transpose", "attention", perm=[0, 2, 1, 3]), b.const([batch, -1, Q_HEADS * HEAD_DIM]))
-    b.output(b.op("MatMul", merged, "o_weight_t"), "output")
-
-    shapes = layout.state_shapes()
-    inputs = [
-        helper.make_tensor_value_info("tokens", TensorProto.INT64, [batch, "n"]),
-        helper.make_tensor_value_info("seq_len", TensorProto.INT64, []),
-        helper.make_tensor_value_info("new_len", TensorProto.INT64, []),
-    ] + [helper.make_tensor_value_info(name, ops.STATE_ONNX_TYPES[name], shapes[name]) for name in STATE_NAMES]
-    outputs = [
-        helper.make_tensor_value_info("attention", TensorProto.FLOAT, [batch, Q_HEADS, "n", HEAD_DIM]),
-        helper.make_tensor_value_info("output", TensorProto.FLOAT, [batch, "n", D_MODEL]),
-    ] + [helper.make_tensor_value_info(f"present_{name}", ops.STATE_ONNX_TYPES[name], shapes[name])
-         for name in STATE_NAMES]
-    graph = helper.make_graph(b.nodes, "pnmix_diagnostic", inputs, outputs, initializers)
-    model = helper.make_model(
-        graph,
-        opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(ops.DOMAIN, ops.DOMAIN_VERSION)],
-        functions=[ops.attention_function(layout, Q_HEADS, opset), ops.append_function(layout, opset)],
-        producer_name="pnmix",
-        producer_version=_version(),
-    )
-    model.ir_version = min(model.ir_version, 10)  # what current ONNX Runtime releases read
-    helper.set_model_props(model, {
-        META_PREFIX + "format_version": "1",
-        META_PREFIX + "seed": str(seed),
-        META_PREFIX + "max_seq_len": str(max_seq_len),
-        META_PREFIX + "batch": str(batch),
-        META_PREFIX + "config": json.dumps(config.to_dict(), sort_keys=True),
+    step = DiagnosticStep(config, layout, seed).eval()
+    tokens = torch.export.Dim("n", min=1, max=max_seq_len)
+    with torch.no_grad():
+        traced = tracing.trace(step, step.example(), GRAPH_INPUTS, GRAPH_OUTPUTS,
+                               ({1: tokens}, None, None, [None] * len(STATE_NAMES)), opset)
+    tracing.finish(traced, layout, Q_HEADS, opset, {
+        "format_version": "1", "seed": str(seed), "max_seq_len": str(max_seq_len), "batch": str(batch),
+        "config": json.dumps(config.to_dict(), sort_keys=True),
     })
-    return finish_with_onnx_ir(model)
+    traced.graph.name = "pnmix_diagnostic"
+    return finish_with_onnx_ir(ir.serde.serialize_model(traced))
 
 
 def finish_with_onnx_ir(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -212,12 +201,6 @@ def build_op_model(op: str, config: PnMixConfig, max_seq_len: int, batch: int = 
         helper.make_opsetid("", opset), helper.make_opsetid(ops.DOMAIN, ops.DOMAIN_VERSION)])
     model.ir_version = min(model.ir_version, 10)
     return model
-
-
-def _version() -> str:
-    from pnmix import __version__
-
-    return __version__
 
 
 def export_onnx(path: str | Path, config: PnMixConfig, max_seq_len: int = defaults.EXPORT_MAX_SEQ_LEN,

@@ -26,10 +26,9 @@ from typing import Any, Dict, Optional
 
 from pnmix.config import PnMixConfig, read_json_file
 from pnmix.errors import PnMixError, describe
-from pnmix.format import CacheLayout
 
-from .exporter import META_PREFIX, _version
 from .llm_file import LLM_KIND, tokenizer_fingerprint
+from .tracing import finish
 
 EXPORT_OPSET = 18
 DTYPES = ("fp32", "fp16")
@@ -76,67 +75,18 @@ def build_decoder(source, dtype: str, max_seq_len: int, config_path: Optional[Pa
 
 
 def trace(decoder) -> Any:
-    """The decoder through torch.onnx.export(dynamo=True): an onnx_ir model with pn-mix nodes.
-
-    Without onnxscript's optimizer: it took a quarter of SmolLM2's export time (measured) for
-    folding that ONNX Runtime's own graph optimizations do at session start."""
+    """The decoder through the one exporter (export/tracing.py): an onnx_ir model with pn-mix nodes."""
     import torch
 
-    from . import torch_ops
+    from .tracing import trace as trace_module
 
     prefill = min(decoder.max_seq_len, 2 * decoder.layout.config.group_size + 1)
     example = (torch.zeros(1, prefill, dtype=torch.long), torch.tensor(0), torch.tensor(prefill),
                decoder.empty_state())
     inputs, outputs = decoder.state_names()
     tokens = torch.export.Dim("n", min=1, max=decoder.max_seq_len)
-    import logging
-    import warnings
-
-    # torch.onnx warns (logging) about optional packages it does not need here, such as torchvision
-    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
-    with warnings.catch_warnings(), _quiet_torch_onnx():
-        warnings.simplefilter("ignore")
-        program = torch.onnx.export(
-            decoder, example, dynamo=True, opset_version=EXPORT_OPSET, optimize=False, verbose=False,
-            input_names=["input_ids", "seq_len", "new_len", *inputs], output_names=["logits", *outputs],
-            dynamic_shapes=({1: tokens}, None, None, [None] * len(inputs)),
-            custom_translation_table=torch_ops.translation_table())
-    return program.model
-
-
-class _quiet_torch_onnx:
-    """torch.onnx prints its progress on stdout; a command prints one summary line."""
-
-    def __enter__(self):
-        import contextlib
-        import io
-
-        self._redirect = contextlib.redirect_stdout(io.StringIO())
-        self._redirect.__enter__()
-
-    def __exit__(self, *exc):
-        self._redirect.__exit__(*exc)
-        return False
-
-
-def finish(ir_model, decoder, metadata: Dict[str, str]) -> None:
-    """Add the ops' function bodies and the pnmix.* metadata to the traced model (in place)."""
-    import onnx_ir as ir
-
-    from . import ops
-
-    layout: CacheLayout = decoder.layout
-    functions = (ops.attention_function(layout, decoder.dims.q_heads, EXPORT_OPSET),
-                 ops.append_function(layout, EXPORT_OPSET))
-    for proto in functions:
-        function = ir.serde.deserialize_function(proto)
-        ir_model.functions[function.identifier()] = function
-    ir_model.opset_imports[ops.DOMAIN] = ops.DOMAIN_VERSION
-    ir_model.producer_name = "pnmix"
-    ir_model.producer_version = _version()
-    ir_model.ir_version = min(ir_model.ir_version, 10)  # what current ONNX Runtime releases read
-    for key, value in metadata.items():
-        ir_model.metadata_props[META_PREFIX + key] = value
+    return trace_module(decoder, example, ["input_ids", "seq_len", "new_len", *inputs], ["logits", *outputs],
+                        ({1: tokens}, None, None, [None] * len(inputs)), EXPORT_OPSET)
 
 
 def save_atomic(ir_model, path: Path) -> Path:
@@ -171,7 +121,7 @@ def export_llm(model: str, output: Path, max_seq_len: int = 2048, config_path: O
     tokenizer = load_tokenizer(source)
     dims = decoder.dims
     ir_model = trace(decoder)
-    finish(ir_model, decoder, {
+    finish(ir_model, decoder.layout, dims.q_heads, EXPORT_OPSET, {
         "kind": LLM_KIND, "format_version": "1",
         "config": json.dumps(decoder.layout.config.to_dict(), sort_keys=True),
         "max_seq_len": str(max_seq_len), "batch": "1", "model": source.name, "model_type": dims.model_type,

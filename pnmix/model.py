@@ -10,6 +10,7 @@ a GEMM in another library would round differently and break packed-byte comparis
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 from torch import nn
@@ -45,14 +46,39 @@ def pair_channels(head_dim: int, pair_layout: str):
     return first, second
 
 
+@lru_cache(maxsize=None)
+def rope_indices(head_dim: int, pair_layout: str):
+    """(first, second, order): each pair's channels, and the permutation from [firsts, seconds]
+    back to channel order. Cached: the exporter computes them before tracing, so the traced graph
+    holds them as constants (torch.export cannot trace pair_channels' indexing)."""
+    first, second = pair_channels(head_dim, pair_layout)
+    return first, second, torch.argsort(torch.cat((first, second)))
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pair_layout: str) -> torch.Tensor:
-    """x fp32 [..., n, D], cos/sin [n, D/2]: rotate each pair (a, b) by its angle."""
-    first, second = pair_channels(x.shape[-1], pair_layout)
-    a, b = x[..., first], x[..., second]
-    out = torch.empty_like(x)
-    out[..., first] = a * cos - b * sin
-    out[..., second] = a * sin + b * cos
-    return out
+    """x fp32 [..., n, D], cos/sin [n, D/2]: rotate each pair (a, b) by its angle.
+
+    Written as gathers, element-wise ops and one concatenation (no in-place indexing) so that the
+    exporter traces this very function into the ONNX file: one definition of the arithmetic."""
+    first, second, order = (t.to(x.device) for t in rope_indices(x.shape[-1], pair_layout))
+    a, b = x.index_select(-1, first), x.index_select(-1, second)
+    return torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1).index_select(-1, order)
+
+
+def project(tables, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pair_layout: str) -> "QKV":
+    """tokens int64 [B, n] with their positions' cos/sin [n, D/2] -> fp16 q, k, v (head-major).
+
+    The model's whole token-to-cache path; DiagnosticModel.qkv calls it and the exporter traces it."""
+    tq, tk, tv = tables
+    batch = tokens.shape[0]
+
+    def heads(table, count):
+        rows = nn.functional.embedding(tokens, table)  # [B, n, count*D]
+        return rows.reshape(batch, -1, count, HEAD_DIM).transpose(1, 2)
+
+    q = apply_rope(heads(tq, Q_HEADS), cos, sin, pair_layout)
+    k = apply_rope(heads(tk, KV_HEADS), cos, sin, pair_layout)
+    return QKV(q.half(), k.half(), heads(tv, KV_HEADS).half())
 
 
 @dataclass
@@ -86,14 +112,7 @@ class DiagnosticModel(nn.Module):
     @torch.no_grad()
     def qkv(self, tokens: torch.Tensor, start: int, tables=None) -> QKV:
         """tokens int64 [B, n] at positions start..start+n-1 -> fp16 q, k, v."""
-        tq, tk, tv = tables if tables is not None else self.token_tables()
-        batch, n = tokens.shape
-        cos, sin = rope_tables(start + n)
-        cos, sin = cos[start:].to(tokens.device), sin[start:].to(tokens.device)
-
-        def heads(table, count):
-            return table[tokens].reshape(batch, n, count, HEAD_DIM).transpose(1, 2)
-
-        q = apply_rope(heads(tq, Q_HEADS), cos, sin, self.pair_layout)
-        k = apply_rope(heads(tk, KV_HEADS), cos, sin, self.pair_layout)
-        return QKV(q.half(), k.half(), heads(tv, KV_HEADS).half())
+        tables = tables if tables is not None else self.token_tables()
+        cos, sin = rope_tables(start + tokens.shape[1])
+        return project(tables, tokens, cos[start:].to(tokens.device), sin[start:].to(tokens.device),
+                       self.pair_layout)

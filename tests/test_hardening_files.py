@@ -407,7 +407,12 @@ SIGNAL_DURING_WRITE = textwrap.dedent("""
     import os, signal, sys
     from pnmix import io
     real_write, signum = os.write, getattr(signal, sys.argv[1])
+    output = sys.argv[3] if sys.argv[2] == "api" else next(
+        arg for flag, arg in zip(sys.argv, sys.argv[1:]) if flag in ("-o", "--json"))
+    folder = os.path.dirname(os.path.abspath(output))
     def write(fd, data):  # half the bytes, then the signal, as if it came mid-write
+        if os.path.dirname(os.readlink(f"/proc/self/fd/{fd}")) != folder:
+            return real_write(fd, data)  # not the output (torch writes files of its own while exporting)
         real_write(fd, bytes(data[: len(data) // 2]))
         os.kill(os.getpid(), signum)
         return len(data) // 2

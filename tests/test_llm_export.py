@@ -202,7 +202,7 @@ def test_llm_file_rewritten_for_tensorrt_pairs_every_layer(tiny):
 
     assert is_llm_file(tiny["onnx"])
     model = onnx.load(str(tiny["onnx"]))
-    prepared = trt.prepare_llm_onnx(model)
+    prepared = trt.prepare_onnx(model)
     assert not [f for f in prepared.functions if f.domain == ops.DOMAIN]
     order = {o: i for i, n in enumerate(prepared.graph.node) for o in n.output}
     appends = [n for n in prepared.graph.node if n.op_type == ops.APPEND_OP]

@@ -183,3 +183,30 @@ def test_batch_of_two_and_chunked_appends_match_the_reference_cache(tmp_path):
         seq_len += n
     mine = {name: torch.from_numpy(a).view(cache.state[name].dtype) for name, a in state.items()}
     assert dump_state(info.layout, mine, seq_len) == dump_state(cache.layout, cache.state, seq_len)
+
+
+def test_the_file_is_traced_from_the_reference_projection(tmp_path, monkeypatch):
+    # One exporter: the diagnostic file's q/k/v are pnmix.model.project as traced, not a graph
+    # written beside it. Patch the reference's RoPE away and the file's K follows the patch.
+    import onnxruntime as ort
+
+    from pnmix import model as reference_model
+
+    config = PnMixConfig(group_size=16, residual_size=24, sink_tokens=4)
+    tokens = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(3))
+
+    def sink_k(path):
+        _, info = load_checked(path)
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        state = {n: (t.view(torch.int8) if t.dtype == torch.uint8 else t).numpy()
+                 for n, t in info.layout.empty_state().items()}
+        out = session.run(["present_sink_k"], {"tokens": tokens.numpy(), "seq_len": np.array(0),
+                                               "new_len": np.array(9), **state})[0]
+        return torch.from_numpy(out[:, :, :4])
+
+    expected = reference_model.DiagnosticModel(42).qkv(tokens, 0).k[:, :, :4]
+    assert torch.equal(sink_k(export_onnx(tmp_path / "a.onnx", config, max_seq_len=64).path), expected)
+    monkeypatch.setattr(reference_model, "apply_rope", lambda x, cos, sin, layout: x)
+    unrotated = reference_model.DiagnosticModel(42).qkv(tokens, 0).k[:, :, :4]
+    assert not torch.equal(unrotated, expected)
+    assert torch.equal(sink_k(export_onnx(tmp_path / "b.onnx", config, max_seq_len=64).path), unrotated)

@@ -131,31 +131,38 @@ def read_onnx(path: Path):
     return load_checked(Path(path))
 
 
-def prepare_onnx(model):
-    """The model TensorRT's parser gets: no pn-mix local functions, append ordered after attention."""
+def prepare_onnx(model, layers: Optional[int] = None):
+    """The model TensorRT's parser gets (the module doc's two rewrites), for every layer: no pn-mix
+    local functions, and each append takes its attention's output as its last input (the plugins'
+    order: attention reads, then append writes the state bound in place) and follows it in the
+    node list. Layers pair up by their new K: an append's k_new is its attention's. ``layers``:
+    how many pairs the file must hold (the diagnostic file: 1), any number when None."""
     import onnx
 
     from ...export import ops
 
     prepared = onnx.ModelProto()
     prepared.CopyFrom(model)
-    ours = {ops.ATTENTION_OP, ops.APPEND_OP}
-    kept = [f for f in prepared.functions if not (f.domain == ops.DOMAIN and f.name in ours)]
+    kept = [f for f in prepared.functions if f.domain != ops.DOMAIN]
     del prepared.functions[:]
     prepared.functions.extend(kept)
-    attention = [n for n in prepared.graph.node if n.domain == ops.DOMAIN and n.op_type == ops.ATTENTION_OP]
-    appends = [n for n in prepared.graph.node if n.domain == ops.DOMAIN and n.op_type == ops.APPEND_OP]
-    if len(attention) != 1 or len(appends) != 1:
-        raise PnMixError(f"expected one {ops.ATTENTION_OP} and one {ops.APPEND_OP} node, found "
-                         f"{len(attention)} and {len(appends)}")
-    append = appends[0]
-    if len(append.input) != len(ops.APPEND_INPUTS):
-        raise PnMixError(f"{ops.APPEND_OP} has {len(append.input)} inputs, expected {len(ops.APPEND_INPUTS)}")
-    append.input.append(attention[0].output[0])
-    # The node list must stay topologically sorted: the append now reads the attention output.
     nodes = list(prepared.graph.node)
-    nodes.remove(append)
-    nodes.insert(nodes.index(attention[0]) + 1, append)
+    attention_of = {n.input[1]: n for n in nodes if n.domain == ops.DOMAIN and n.op_type == ops.ATTENTION_OP}
+    appends = [n for n in nodes if n.domain == ops.DOMAIN and n.op_type == ops.APPEND_OP]
+    if not appends or len(appends) != len(attention_of) or layers not in (None, len(appends)):
+        raise PnMixError(f"expected {layers or 'one'} {ops.ATTENTION_OP} per {ops.APPEND_OP} node, found "
+                         f"{len(attention_of)} and {len(appends)}")
+    for append in appends:
+        attention = attention_of.get(append.input[0])
+        if attention is None:
+            raise PnMixError(f"{ops.APPEND_OP} node {append.name or append.output[0]} has no {ops.ATTENTION_OP} "
+                             "over the same new K/V")
+        if len(append.input) != len(ops.APPEND_INPUTS):
+            raise PnMixError(f"{ops.APPEND_OP} has {len(append.input)} inputs, expected {len(ops.APPEND_INPUTS)}")
+        append.input.append(attention.output[0])
+        # The node list must stay topologically sorted: the append now reads the attention output.
+        nodes.remove(append)
+        nodes.insert(nodes.index(attention) + 1, append)
     del prepared.graph.node[:]
     prepared.graph.node.extend(nodes)
     return prepared
@@ -252,7 +259,7 @@ def build_engine(model: Path, plugins: Path, output: Path, max_seq_len: Optional
         return build_llm_engine(model, plugins, output, PRECISION, max_seq_len)
     onnx_model, info = read_onnx(model)
     shapes = profile_shapes(info.max_seq_len, info.batch, max_seq_len)
-    prepared = prepare_onnx(onnx_model).SerializeToString()
+    prepared = prepare_onnx(onnx_model, layers=1).SerializeToString()
 
     # Refittable, so that `pnmix verify --engine` can run every seed's weights through one engine.
     trt, serialized = parse_and_build(model, prepared, plugins, shapes, info.max_seq_len, refit=True)
@@ -280,41 +287,6 @@ def build_engine(model: Path, plugins: Path, output: Path, max_seq_len: Optional
 # ---------------------------------------------------------------------------------------
 
 
-def prepare_llm_onnx(model):
-    """prepare_onnx for every layer: no pn-mix local functions, and each layer's append takes that
-    layer's attention output as its last input (the plugins' order: attention reads, then append
-    writes the state bound in place) and follows it in the node list. Layers pair up by their
-    new K: an append's k_new is its attention's."""
-    import onnx
-
-    from ...export import ops
-
-    prepared = onnx.ModelProto()
-    prepared.CopyFrom(model)
-    kept = [f for f in prepared.functions if f.domain != ops.DOMAIN]
-    del prepared.functions[:]
-    prepared.functions.extend(kept)
-    nodes = list(prepared.graph.node)
-    attention_of = {n.input[1]: n for n in nodes if n.domain == ops.DOMAIN and n.op_type == ops.ATTENTION_OP}
-    appends = [n for n in nodes if n.domain == ops.DOMAIN and n.op_type == ops.APPEND_OP]
-    if not appends or len(appends) != len(attention_of):
-        raise PnMixError(f"expected one {ops.ATTENTION_OP} per {ops.APPEND_OP} node, found {len(attention_of)} "
-                         f"and {len(appends)}")
-    for append in appends:
-        attention = attention_of.get(append.input[0])
-        if attention is None:
-            raise PnMixError(f"{ops.APPEND_OP} node {append.name or append.output[0]} has no {ops.ATTENTION_OP} "
-                             "over the same new K/V")
-        if len(append.input) != len(ops.APPEND_INPUTS):
-            raise PnMixError(f"{ops.APPEND_OP} has {len(append.input)} inputs, expected {len(ops.APPEND_INPUTS)}")
-        append.input.append(attention.output[0])
-        nodes.remove(append)
-        nodes.insert(nodes.index(attention) + 1, append)
-    del prepared.graph.node[:]
-    prepared.graph.node.extend(nodes)
-    return prepared
-
-
 def llm_profile_shapes(capacity: int, max_prefill: Optional[int]):
     """profile_shapes for the LLM file's ``input_ids`` (batch 1)."""
     return [{"input_ids": shape["tokens"]} for shape in profile_shapes(capacity, 1, max_prefill)]
@@ -333,7 +305,7 @@ def build_llm_engine(model: Path, plugins: Path, output: Path, precision: str,
     info = read_llm_info(model)
     shapes = llm_profile_shapes(info.max_seq_len, max_seq_len)
     proto = onnx.load(str(model))
-    prepared = prepare_llm_onnx(proto).SerializeToString()
+    prepared = prepare_onnx(proto).SerializeToString()
     trt, serialized = parse_and_build(model, prepared, plugins, shapes, info.max_seq_len, refit=False)
     sidecar = llm_sidecar(info, model, plugins, trt.__version__, precision, shapes)
     write_described_atomic(output, bytes(serialized), sidecar_path(output), sidecar)
