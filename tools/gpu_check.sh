@@ -246,6 +246,10 @@ if [ "$TRT" = 1 ]; then
         run trt_llm_build_engine 900 python3 -m pnmix build-engine "$WORK/llm.onnx" --plugins "$PLUGINS" \
           -o "$WORK/llm.plan" --max-seq-len 256
         [ -f "$WORK/llm.plan.json" ] && cat "$WORK/llm.plan.json"
+        if [ -f "$WORK/llm.plan" ] && [ -x "$BUILD/examples/pnmix_trt_run" ]; then  # greedy over token ids
+          run trt_llm_example 300 "$BUILD/examples/pnmix_trt_run" --engine "$WORK/llm.plan" --plugins "$PLUGINS" \
+            --tokens 1,2,3,4,5,6,7,8,9,10,11,12 --max-new-tokens 16
+        fi
       fi
     fi
   fi

@@ -2,6 +2,14 @@
 //
 //   pnmix_trt_run --engine model.plan --plugins libpnmix_trt_plugins.so [--text hamlet.txt]
 //                 [--prefill 384] [--decode 64]
+//   pnmix_trt_run --engine llm.plan --plugins libpnmix_trt_plugins.so --tokens 1,2,3
+//                 [--max-new-tokens 16]
+//
+// An engine of an LLM file (`pnmix export --model`; its model.plan.json says "kind": "llm") is run
+// as a greedy generator over token ids (no tokenizer here): the prompt ids as one prefill call,
+// then one token per call, each layer's packed state bound in place (past.<l>.<name> and
+// present.<l>.<name> share one device buffer). It prints the generated ids, prefill and decode
+// tokens/s and the packed cache bytes as JSON. Otherwise the engine is the diagnostic model's:
 //
 // Loads the plugin library into TensorRT's registry, deserializes the engine (built by
 // `pnmix build-engine`, which writes model.plan.json next to it), keeps the packed cache on the
@@ -53,8 +61,8 @@ class Logger : public nvinfer1::ILogger {
 };
 
 struct Args {
-  std::string engine, plugins, text = "pnmix/data/hamlet.txt";
-  int64_t prefill = 384, decode = 64;
+  std::string engine, plugins, text = "pnmix/data/hamlet.txt", tokens;
+  int64_t prefill = 384, decode = 64, max_new_tokens = 16;
 };
 
 Args parse_args(int argc, char** argv) {
@@ -68,10 +76,13 @@ Args parse_args(int argc, char** argv) {
     else if (key == "--text") a.text = value;
     else if (key == "--prefill") a.prefill = std::atoll(value.c_str());
     else if (key == "--decode") a.decode = std::atoll(value.c_str());
+    else if (key == "--tokens") a.tokens = value;
+    else if (key == "--max-new-tokens") a.max_new_tokens = std::atoll(value.c_str());
     else die("unknown option " + key + " (see the comment at the top of pnmix_trt_run.cpp)");
   }
   if (a.engine.empty() || a.plugins.empty()) die("usage: pnmix_trt_run --engine PLAN --plugins LIB [--text FILE]");
   if (a.prefill < 1 || a.decode < 0) die("--prefill must be >= 1 and --decode >= 0");
+  if (a.max_new_tokens < 0) die("--max-new-tokens must be >= 0");
   return a;
 }
 
@@ -98,6 +109,10 @@ std::string json_value(const std::string& json, const std::string& key) {
   size_t end = at;
   while (end < json.size() && std::string(",}] \n\r\t").find(json[end]) == std::string::npos) ++end;
   return json.substr(at, end - at);
+}
+
+bool json_has(const std::string& json, const std::string& key) {
+  return json.find("\"" + key + "\"") != std::string::npos;
 }
 
 // pair_layout's code, or -1 for a name that is none (config_error then refuses it).
@@ -212,12 +227,176 @@ double percentile(std::vector<double> v, double p) {
   return v[static_cast<size_t>(std::min<double>(v.size() - 1, std::floor(p * (v.size() - 1) + 0.5)))];
 }
 
+// The plugins, then the engine: the registry must know the creators before deserializing.
+struct LoadedEngine {
+  Logger logger;
+  std::unique_ptr<nvinfer1::IRuntime> runtime;
+  std::unique_ptr<nvinfer1::ICudaEngine> engine;
+};
+
+void load_engine(const Args& args, LoadedEngine& out) {
+  out.runtime.reset(nvinfer1::createInferRuntime(out.logger));
+  if (!out.runtime) die("createInferRuntime failed");
+  if (out.runtime->getPluginRegistry().loadLibrary(args.plugins.c_str()) == nullptr)
+    die("TensorRT cannot load the plugin library " + args.plugins);
+  const std::string plan = read_file(args.engine);
+  out.engine.reset(out.runtime->deserializeCudaEngine(plan.data(), plan.size()));
+  if (!out.engine) die("TensorRT cannot deserialize " + args.engine);
+}
+
+double elapsed_ms(std::chrono::steady_clock::time_point began) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - began).count();
+}
+
+// ---- the LLM engine: greedy generation over token ids ----------------------------------------
+
+std::vector<int64_t> parse_ids(const std::string& text, int64_t vocab) {
+  std::vector<int64_t> ids;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    char* end = nullptr;
+    const long long id = std::strtoll(item.c_str(), &end, 10);
+    if (item.empty() || *end != '\0' || id < 0 || id >= vocab)
+      die("--tokens: '" + item + "' is not a token id in 0.." + std::to_string(vocab - 1));
+    ids.push_back(id);
+  }
+  if (ids.empty()) die("--tokens needs at least one token id (comma-separated)");
+  return ids;
+}
+
+std::string layer_tensor(const char* prefix, int64_t layer, int i) {
+  return std::string(prefix) + "." + std::to_string(layer) + "." + pnmix::state_name(i);
+}
+
+struct LlmRunner {
+  nvinfer1::ICudaEngine* engine;
+  cudaStream_t stream;
+  int64_t layers, vocab, max_tokens;
+  std::vector<std::unique_ptr<DeviceBuffer>> state;  // layer-major, STATE_NAMES order within a layer
+  std::unique_ptr<DeviceBuffer> ids, logits, seq_len, new_len;
+  bool lengths_on_host = false;
+  int64_t host_lengths[2] = {0, 0};
+
+  // One call: ids at positions seq_len.., appended; returns the argmax of the last position's logits.
+  int64_t step(nvinfer1::IExecutionContext* context, const int64_t* host_ids, int64_t n, int64_t cache_len) {
+    if (n > max_tokens) die("the prompt has more tokens than the engine's prefill profile (" +
+                            std::to_string(max_tokens) + ")");
+    cuda_check(cudaMemcpyAsync(ids->ptr, host_ids, static_cast<size_t>(n) * 8, cudaMemcpyHostToDevice, stream), "ids");
+    host_lengths[0] = cache_len;
+    host_lengths[1] = n;
+    void* seq_ptr = lengths_on_host ? static_cast<void*>(&host_lengths[0]) : seq_len->ptr;
+    void* new_ptr = lengths_on_host ? static_cast<void*>(&host_lengths[1]) : new_len->ptr;
+    if (!lengths_on_host) {
+      cuda_check(cudaMemcpyAsync(seq_len->ptr, &host_lengths[0], 8, cudaMemcpyHostToDevice, stream), "seq_len");
+      cuda_check(cudaMemcpyAsync(new_len->ptr, &host_lengths[1], 8, cudaMemcpyHostToDevice, stream), "new_len");
+    }
+    nvinfer1::Dims shape{};
+    shape.nbDims = 2;
+    shape.d[0] = 1;
+    shape.d[1] = n;
+    if (!context->setInputShape("input_ids", shape)) die("the engine does not take this many tokens");
+    bool ok = context->setTensorAddress("input_ids", ids->ptr) && context->setTensorAddress("seq_len", seq_ptr) &&
+              context->setTensorAddress("new_len", new_ptr) && context->setTensorAddress("logits", logits->ptr);
+    for (int64_t l = 0; l < layers; ++l)
+      for (int i = 0; i < PNMIX_NUM_STATE; ++i) {
+        void* buffer = state[l * PNMIX_NUM_STATE + i]->ptr;  // in place: past and present are one buffer
+        ok = ok && context->setTensorAddress(layer_tensor("past", l, i).c_str(), buffer) &&
+             context->setTensorAddress(layer_tensor("present", l, i).c_str(), buffer);
+      }
+    if (!ok) die("binding the engine's tensors failed: was it built from `pnmix export --model`?");
+    if (!context->enqueueV3(stream)) die("TensorRT failed to run the engine (see its log above)");
+    std::vector<float> host(static_cast<size_t>(vocab));
+    cuda_check(cudaMemcpyAsync(host.data(), logits->ptr, host.size() * 4, cudaMemcpyDeviceToHost, stream), "logits");
+    cuda_check(cudaStreamSynchronize(stream), "engine run");
+    return std::max_element(host.begin(), host.end()) - host.begin();
+  }
+};
+
+int run_llm(const Args& args, const std::string& description) {
+  const auto wall_began = std::chrono::steady_clock::now();
+  const pnmix_config config = config_from(description);
+  const int64_t capacity = std::atoll(json_value(description, "capacity").c_str());
+  LlmRunner r{};
+  r.layers = std::atoll(json_value(description, "layers").c_str());
+  r.vocab = std::atoll(json_value(description, "vocab_size").c_str());
+  if (r.layers < 1 || r.vocab < 1) die("engine description: bad 'layers' or 'vocab_size'");
+  std::vector<int64_t> ids = parse_ids(args.tokens, r.vocab);
+  const int64_t prompt = static_cast<int64_t>(ids.size());
+  if (prompt + args.max_new_tokens > capacity)
+    die("the prompt's " + std::to_string(prompt) + " tokens + --max-new-tokens exceed the engine's capacity (" +
+        std::to_string(capacity) + ")");
+
+  LoadedEngine loaded;
+  load_engine(args, loaded);
+  nvinfer1::ICudaEngine* engine = loaded.engine.get();
+  r.engine = engine;
+  cuda_check(cudaStreamCreate(&r.stream), "cudaStreamCreate");
+  const nvinfer1::Dims sink = engine->getTensorShape(layer_tensor("past", 0, PNMIX_SINK_K).c_str());
+  if (sink.nbDims != 4) die("the engine's I/O is not a `pnmix export --model` file's");
+  pnmix_layout L{config, 1, sink.d[1], sink.d[3], capacity};
+  if (const char* bad = pnmix::layout_error(L)) die(std::string("engine description: ") + bad);
+  for (int64_t l = 0; l < r.layers; ++l)
+    for (int i = 0; i < PNMIX_NUM_STATE; ++i) {
+      const std::string name = layer_tensor("past", l, i);
+      const int64_t bytes = volume(engine->getTensorShape(name.c_str())) * pnmix::state_elem_bytes(i);
+      if (bytes != pnmix::state_bytes(L, i)) die("state tensor " + name + " does not match docs/FORMAT.md for this config");
+      r.state.emplace_back(new DeviceBuffer(static_cast<size_t>(bytes)));
+      cuda_check(cudaMemsetAsync(r.state.back()->ptr, 0, r.state.back()->bytes, r.stream), "cudaMemset");
+    }
+  const int profiles = engine->getNbOptimizationProfiles();
+  r.max_tokens = engine->getProfileShape("input_ids", profiles - 1, nvinfer1::OptProfileSelector::kMAX).d[1];
+  r.ids.reset(new DeviceBuffer(static_cast<size_t>(r.max_tokens * 8)));
+  r.logits.reset(new DeviceBuffer(static_cast<size_t>(r.vocab * 4)));
+  r.seq_len.reset(new DeviceBuffer(8));
+  r.new_len.reset(new DeviceBuffer(8));
+  r.lengths_on_host = engine->isShapeInferenceIO("seq_len");
+
+  std::unique_ptr<nvinfer1::IExecutionContext> decode_ctx(engine->createExecutionContext());
+  std::unique_ptr<nvinfer1::IExecutionContext> prefill_ctx(engine->createExecutionContext());
+  if (!decode_ctx || !prefill_ctx) die("createExecutionContext failed");
+  if (profiles >= 2 && !prefill_ctx->setOptimizationProfileAsync(1, r.stream)) die("no prefill profile");
+  if (!decode_ctx->setOptimizationProfileAsync(0, r.stream)) die("no decode profile");
+  cuda_check(cudaStreamSynchronize(r.stream), "setup");
+
+  auto began = std::chrono::steady_clock::now();
+  std::vector<int64_t> generated{r.step(prefill_ctx.get(), ids.data(), prompt, 0)};
+  const double prefill_ms = elapsed_ms(began);
+  began = std::chrono::steady_clock::now();
+  while (static_cast<int64_t>(generated.size()) < args.max_new_tokens) {
+    const int64_t position = prompt + static_cast<int64_t>(generated.size()) - 1;
+    generated.push_back(r.step(decode_ctx.get(), &generated.back(), 1, position));
+  }
+  const double decode_ms = elapsed_ms(began);
+  if (args.max_new_tokens == 0) generated.clear();  // the prefill ran; nothing asked for
+
+  const int64_t cached = prompt + std::max<int64_t>(0, static_cast<int64_t>(generated.size()) - 1);
+  const int64_t steps = std::max<int64_t>(0, static_cast<int64_t>(generated.size()) - 1);
+  std::string out_ids;
+  for (size_t i = 0; i < generated.size(); ++i) out_ids += (i ? ", " : "") + std::to_string(generated[i]);
+  std::printf(
+      "{\n  \"engine\": \"%s\",\n  \"kind\": \"llm\",\n  \"layers\": %lld,\n  \"prompt_tokens\": %lld,\n"
+      "  \"generated_ids\": [%s],\n  \"cached_tokens\": %lld,\n  \"packed_cache_bytes\": %lld,\n"
+      "  \"timing\": {\"prefill_ms\": %.4f, \"prefill_tokens_per_s\": %.2f, \"decode_ms\": %.4f, "
+      "\"decode_tokens_per_s\": %.2f},\n  \"elapsed_seconds\": %.4f\n}\n",
+      args.engine.c_str(), (long long)r.layers, (long long)prompt, out_ids.c_str(), (long long)cached,
+      (long long)(r.layers * pnmix::persistent_bytes(L, cached)), prefill_ms, prompt / (prefill_ms / 1e3), decode_ms,
+      steps ? steps / (decode_ms / 1e3) : 0.0, elapsed_ms(wall_began) / 1e3);
+  cudaStreamDestroy(r.stream);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const Args args = parse_args(argc, argv);
   const auto wall_began = std::chrono::steady_clock::now();
   const std::string description = read_file(args.engine + ".json");
+  const bool llm = json_has(description, "kind") && json_value(description, "kind") == "llm";
+  if (llm != !args.tokens.empty())
+    die(llm ? "this is an LLM engine: give the prompt as --tokens ID,ID,..."
+            : "--tokens is for an LLM engine (pnmix export --model); this engine is the diagnostic model's");
+  if (llm) return run_llm(args, description);
   const pnmix_config config = config_from(description);
   const int64_t capacity = std::atoll(json_value(description, "capacity").c_str());
   const std::string text = read_file(args.text);
@@ -227,19 +406,14 @@ int main(int argc, char** argv) {
   std::vector<int64_t> host_tokens(text.begin(), text.begin() + total);
   for (auto& t : host_tokens) t = static_cast<unsigned char>(t);  // byte vocabulary
 
-  // 1. The plugins, then the engine (the registry must know the creators before deserializing).
-  Logger logger;
-  std::unique_ptr<nvinfer1::IRuntime> runtime(nvinfer1::createInferRuntime(logger));
-  if (!runtime) die("createInferRuntime failed");
-  if (runtime->getPluginRegistry().loadLibrary(args.plugins.c_str()) == nullptr)
-    die("TensorRT cannot load the plugin library " + args.plugins);
-  const std::string plan = read_file(args.engine);
-  std::unique_ptr<nvinfer1::ICudaEngine> engine(runtime->deserializeCudaEngine(plan.data(), plan.size()));
-  if (!engine) die("TensorRT cannot deserialize " + args.engine);
+  // 1. The plugins, then the engine.
+  LoadedEngine loaded;
+  load_engine(args, loaded);
+  nvinfer1::ICudaEngine* engine = loaded.engine.get();
 
   // 2. Buffers, the cache kept on the device for the whole run (zeros: an empty cache).
   Runner r{};
-  r.engine = engine.get();
+  r.engine = engine;
   cuda_check(cudaStreamCreate(&r.stream), "cudaStreamCreate");
   const nvinfer1::Dims sink = engine->getTensorShape("sink_k");
   const nvinfer1::Dims att = engine->getTensorShape("attention");
