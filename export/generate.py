@@ -33,6 +33,9 @@ def providers() -> List[str]:
 class LlmSession:
     """One exported LLM file in ONNX Runtime, with its packed state between calls."""
 
+    backend = "onnx-llm"  # the name verify reports
+    runtime_name = "ONNX Runtime"
+
     def __init__(self, path: Path, threads: Optional[int] = None, info: Optional[LlmFileInfo] = None):
         try:
             import onnxruntime as ort

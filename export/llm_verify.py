@@ -111,11 +111,16 @@ def _torch_side(model_source, info, dtype: str):
 
 
 def verify_llm(onnx_path: Path, model: str, text: Optional[Path] = None, prompt_tokens: int = 32,
-               decode_tokens: int = 8, threads: Optional[int] = None) -> Dict[str, Any]:
+               decode_tokens: int = 8, threads: Optional[int] = None, session=None) -> Dict[str, Any]:
+    """The file in ONNX Runtime against PyTorch, or ``session``: another runtime of the same file
+    with LlmSession's interface (``info``, ``step``, ``state``, ``seq_len``, ``layer_state``,
+    ``backend``, ``runtime_name``), such as a TensorRT engine built from it
+    (pnmix.backends.tensorrt.llm_session). Its K/V are no outputs there, so graph_bytes_exact is
+    not checked (None) and the rest of the report is the same."""
     from pnmix.hf import PnMixCache
     from pnmix.hf.models import load_tokenizer, resolve_model
 
-    info = read_llm_info(onnx_path)
+    info = session.info if session is not None else read_llm_info(onnx_path)
     if prompt_tokens < 1 or decode_tokens < 0:
         raise PnMixError(f"--prompt-tokens must be >= 1 and --decode-tokens >= 0, got {prompt_tokens}, {decode_tokens}")
     if prompt_tokens + decode_tokens > info.max_seq_len:
@@ -129,8 +134,10 @@ def verify_llm(onnx_path: Path, model: str, text: Optional[Path] = None, prompt_
     if int(hf_model.config.num_hidden_layers) != info.layers:
         raise PnMixError(f"{model} has {hf_model.config.num_hidden_layers} layers, {onnx_path.name} {info.layers}")
 
-    session = LlmSession(onnx_path, threads, info)
-    probe = KvProbe(onnx_path, info.layers)
+    probe = None
+    if session is None:
+        session = LlmSession(onnx_path, threads, info)
+        probe = KvProbe(onnx_path, info.layers)
     cache = PnMixCache(info.config, max_cache_len=info.max_seq_len, backend="torch", model_config=hf_model.config)
     layout = info.layout
     steps: List[Dict[str, Any]] = []
@@ -142,7 +149,7 @@ def verify_llm(onnx_path: Path, model: str, text: Optional[Path] = None, prompt_
         seq_before = session.seq_len
         past = {name: a for name, a in session.state.items()}
         ort_logits = session.step(feed)
-        kv = _probe_kv(probe, feed, seq_before, past)
+        kv = _probe_kv(probe, feed, seq_before, past) if probe is not None else None
         with torch.no_grad():
             out = hf_model(torch.tensor([feed]), cache=cache, use_cache=True)
         torch_logits = out.logits[0, -1].float().numpy()
@@ -154,7 +161,8 @@ def verify_llm(onnx_path: Path, model: str, text: Optional[Path] = None, prompt_
         tokens_torch.append(int(np.argmax(torch_logits)))
         feed = [tokens_ort[-1]]
     seconds = time.perf_counter() - began
-    return _report(info, onnx_path, model, steps, tokens_ort, tokens_torch, prompt_tokens, decode_tokens, seconds)
+    return _report(info, onnx_path, model, steps, tokens_ort, tokens_torch, prompt_tokens, decode_tokens, seconds,
+                   session)
 
 
 def _probe_kv(probe: KvProbe, feed: List[int], seq_before: int, past: Dict[str, np.ndarray]):
@@ -174,11 +182,12 @@ def _compare_step(layout, session: LlmSession, cache, kv, past, seq_before: int,
         ort_state = _as_reference(session.layer_state(layer))
         torch_state = cache.layers[layer].packed.state
         layers_identical.append(used_bytes(layout, ort_state, seq_after) == used_bytes(layout, torch_state, seq_after))
-        # the graph's append against the reference append of the graph's own K/V
-        expected = _as_reference({name: past[f"past.{layer}.{name}"] for name in STATE_NAMES})
-        k, v = (torch.from_numpy(np.ascontiguousarray(a)) for a in kv[layer])
-        append_reference(layout, expected, seq_before, k, v)
-        graph_exact.append(used_bytes(layout, expected, seq_after) == used_bytes(layout, ort_state, seq_after))
+        expected = ort_state
+        if kv is not None:  # the graph's append against the reference append of the graph's own K/V
+            expected = _as_reference({name: past[f"past.{layer}.{name}"] for name in STATE_NAMES})
+            k, v = (torch.from_numpy(np.ascontiguousarray(a)) for a in kv[layer])
+            append_reference(layout, expected, seq_before, k, v)
+            graph_exact.append(used_bytes(layout, expected, seq_after) == used_bytes(layout, ort_state, seq_after))
         # K/V of both sides: the new tokens sit in the sink or the residual of the torch state
         # only while they are not yet quantized; compare where both are stored in fp16.
         mine, theirs = _fp16_rows(layout, expected, seq_after), _fp16_rows(layout, torch_state, seq_after)
@@ -190,7 +199,7 @@ def _compare_step(layout, session: LlmSession, cache, kv, past, seq_before: int,
         "seq_len": seq_after,
         "packed_bytes_identical": all(layers_identical),
         "layers_identical": sum(layers_identical),
-        "graph_bytes_exact": all(graph_exact),
+        "graph_bytes_exact": all(graph_exact) if kv is not None else None,
         "kv_max_abs_diff": kv_max,
         "kv_bitwise_equal_share": kv_equal / kv_count if kv_count else 1.0,
     }
@@ -202,16 +211,17 @@ def _fp16_rows(layout, state, seq_len: int):
             state["residual_k"][:, :, :n.residual], state["residual_v"][:, :, :n.residual]]
 
 
-def _report(info, onnx_path, model, steps, tokens_ort, tokens_torch, prompt_tokens, decode_tokens, seconds):
+def _report(info, onnx_path, model, steps, tokens_ort, tokens_torch, prompt_tokens, decode_tokens, seconds, session):
     tolerance = LOGITS_TOLERANCE.get(info.dtype, 1e-3)
     decode_tolerance = DECODE_LOGITS_TOLERANCE.get(info.dtype, 2e-2)
     prefill_logits = steps[0]["max_abs_diff_logits"]
     decode_logits = max((s["max_abs_diff_logits"] for s in steps[1:]), default=0.0)
     max_logits = max(prefill_logits, decode_logits)
     identical = all(s["packed_bytes_identical"] for s in steps)
-    graph_exact = all(s["graph_bytes_exact"] for s in steps)
+    checked = [s["graph_bytes_exact"] for s in steps if s["graph_bytes_exact"] is not None]
+    graph_exact = all(checked) if checked else None
     tokens_same = tokens_ort == tokens_torch
-    passed = graph_exact and tokens_same and prefill_logits <= tolerance and decode_logits <= decode_tolerance
+    passed = graph_exact is not False and tokens_same and prefill_logits <= tolerance and decode_logits <= decode_tolerance
     record = {
         "seed": None, "model": model, "file": str(onnx_path), "layers": info.layers,
         "max_abs_diff_online": max_logits, "max_abs_diff_final": steps[-1]["max_abs_diff_logits"],
@@ -221,10 +231,11 @@ def _report(info, onnx_path, model, steps, tokens_ort, tokens_torch, prompt_toke
         "tokens_identical": tokens_same, "tokens_onnx": tokens_ort, "tokens_torch": tokens_torch,
         "kv_max_abs_diff": max(s["kv_max_abs_diff"] for s in steps),
         "kv_bitwise_equal_share": min(s["kv_bitwise_equal_share"] for s in steps),
-        "steps": steps, "passed": passed, "metrics": {}, "runtime": {"elapsed_seconds": seconds},
+        "steps": steps, "passed": passed, "metrics": {},
+        "runtime": {"name": session.runtime_name, "elapsed_seconds": seconds},
     }
     return {
-        "backend": "onnx-llm", "passed": passed, "tolerance": tolerance, "config": info.config.to_dict(),
+        "backend": session.backend, "passed": passed, "tolerance": tolerance, "config": info.config.to_dict(),
         "prefill_tokens": prompt_tokens, "decode_tokens": decode_tokens, "runs": [record],
         "manifest": {"passed": True, "rows": []},
     }
@@ -232,24 +243,48 @@ def _report(info, onnx_path, model, steps, tokens_ort, tokens_torch, prompt_toke
 
 def verify_llm_command(onnx_path: Path, model: str, text: Optional[Path], prompt_tokens: int,
                        decode_tokens: int, json_path: Optional[Path]) -> int:
-    from pnmix.io import check_output_path, write_json_atomic
+    from pnmix.io import check_output_path
 
     if json_path is not None:
         check_output_path(json_path)
-    report = verify_llm(Path(onnx_path), model, text, prompt_tokens, decode_tokens)
+    return print_and_write(verify_llm(Path(onnx_path), model, text, prompt_tokens, decode_tokens), json_path)
+
+
+def verify_engine_llm_command(engine: Path, plugins: Optional[Path], model: str, text: Optional[Path],
+                              prompt_tokens: int, decode_tokens: int, json_path: Optional[Path]) -> int:
+    """`pnmix verify --engine PLAN --model MODEL`: the engine checked as verify --onnx checks the file."""
+    from pnmix.backends.tensorrt.llm_session import EngineLlmSession
+    from pnmix.io import check_output_path
+
+    if json_path is not None:
+        check_output_path(json_path)
+    session = EngineLlmSession(engine, plugins)
+    report = verify_llm(session.info.path, model, text, prompt_tokens, decode_tokens, session=session)
+    return print_and_write(report, json_path)
+
+
+def print_and_write(report: Dict[str, Any], json_path: Optional[Path]) -> int:
+    """The steps, the verdict and the JSON report of verify_llm; the exit code."""
+    from pnmix.io import write_json_atomic
+
     run = report["runs"][0]
+    runtime = run["runtime"]["name"]
+
+    def exact(value) -> str:
+        return "n/a" if value is None else "yes" if value else "NO"
+
     for s in run["steps"]:
         print(f"{s['step']:>10}: seq_len {s['seq_len']:>5}  logits max|diff| {s['max_abs_diff_logits']:.3g}  "
               f"layers with identical packed bytes {s['layers_identical']}/{run['layers']}  "
-              f"graph append exact {'yes' if s['graph_bytes_exact'] else 'NO'}  K/V bitwise equal "
+              f"graph append exact {exact(s['graph_bytes_exact'])}  K/V bitwise equal "
               f"{100 * s['kv_bitwise_equal_share']:.2f}% (max|diff| {s['kv_max_abs_diff']:.3g})")
-    print(f"greedy tokens {'identical' if run['tokens_identical'] else 'DIFFER'}: onnx {run['tokens_onnx']} "
+    print(f"greedy tokens {'identical' if run['tokens_identical'] else 'DIFFER'}: {runtime} {run['tokens_onnx']} "
           f"torch {run['tokens_torch']}")
-    print(f"packed bytes {'identical' if run['packed_bytes_identical'] else 'differ'} (ONNX Runtime vs PnMixCache, "
-          f"K/V bitwise equal {100 * run['kv_bitwise_equal_share']:.2f}%); graph append "
-          f"{'exact' if run['graph_bytes_exact'] else 'NOT exact'}; logits max|diff| prefill "
-          f"{run['max_abs_diff_prefill_logits']:.3g} (tolerance {report['tolerance']:g}), decode "
-          f"{run['max_abs_diff_decode_logits']:.3g} (tolerance {run['decode_tolerance']:g})")
+    graph = {None: "not checked (no K/V outputs)", True: "exact", False: "NOT exact"}[run["graph_bytes_exact"]]
+    print(f"packed bytes {'identical' if run['packed_bytes_identical'] else 'differ'} ({runtime} vs PnMixCache, "
+          f"K/V bitwise equal {100 * run['kv_bitwise_equal_share']:.2f}%); graph append {graph}; "
+          f"logits max|diff| prefill {run['max_abs_diff_prefill_logits']:.3g} (tolerance {report['tolerance']:g}), "
+          f"decode {run['max_abs_diff_decode_logits']:.3g} (tolerance {run['decode_tolerance']:g})")
     print("PASS" if report["passed"] else "FAIL")
     if json_path is not None:
         write_json_atomic(json_path, report)

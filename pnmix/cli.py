@@ -184,7 +184,7 @@ def verify(
     seeds: Optional[str] = typer.Option(None, help="Comma-separated seeds (default: the manifest's)."),
     device: str = typer.Option("cpu", help="cpu or cuda (triton on cuda, engine always cuda)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report here."),
-    model: Optional[str] = typer.Option(None, help="With --onnx: the LLM the file was exported from (HF folder, .gguf, packaged name)."),
+    model: Optional[str] = typer.Option(None, help="With --onnx or --engine: the LLM the file was exported from (HF folder, .gguf, packaged name)."),
     text: Optional[Path] = typer.Option(None, help="With --model: the text whose tokens are fed (default: the bundled one)."),
     prompt_tokens: int = typer.Option(32, help="With --model: prompt tokens (one prefill)."),
     decode_tokens: int = typer.Option(8, help="With --model: greedy decode steps checked."),
@@ -200,8 +200,13 @@ def verify(
         if is_llm_file(onnx):
             raise PnMixError(f"{onnx} is an LLM file (pnmix export --model): verify it with --model MODEL")
     if model is not None:
-        if onnx is None or backend or engine:
-            raise PnMixError("--model verifies an exported LLM file: give it with --onnx FILE only")
+        if (onnx is None) == (engine is None) or backend:
+            raise PnMixError("--model verifies an exported LLM file or its engine: give it with --onnx FILE or "
+                             "--engine PLAN, not both")
+        if engine is not None:
+            _call("pnmix.export.llm_verify", "verify_engine_llm_command", engine=engine, plugins=plugins,
+                  model=model, text=text, prompt_tokens=prompt_tokens, decode_tokens=decode_tokens,
+                  json_path=json_path)
         _call("pnmix.export.llm_verify", "verify_llm_command", onnx_path=onnx, model=model, text=text,
               prompt_tokens=prompt_tokens, decode_tokens=decode_tokens, json_path=json_path)
     chosen = [name for name, given in (("backend", backend), ("onnx", onnx), ("engine", engine)) if given]

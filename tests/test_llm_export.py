@@ -214,6 +214,9 @@ def test_llm_file_rewritten_for_tensorrt_pairs_every_layer(tiny):
         assert order[append.input[-1]] + 1 == order[append.output[0]]  # right after its attention
     assert trt.llm_profile_shapes(CAPACITY, 40) == [{"input_ids": ((1, 1), (1, 1), (1, 1))},
                                                    {"input_ids": ((1, 1), (1, 20), (1, 40))}]
+    # the same rewrite serves the diagnostic build, which takes exactly one layer
+    with pytest.raises(PnMixError, match="expected 1 PnMixAttention per PnMixAppend node, found 2 and 2"):
+        trt.prepare_onnx(model, layers=1)
 
 
 @pytest.mark.skipif(__import__("importlib").util.find_spec("tensorrt") is not None, reason="TensorRT is installed")
@@ -227,3 +230,58 @@ def test_build_engine_on_the_llm_file_without_tensorrt_says_so(tiny, tmp_path):
 
 def test_verify_of_an_llm_file_without_model_says_to_give_it(tiny):
     _one_line_error(run_cli("verify", "--onnx", tiny["onnx"]), "--model")
+
+
+# ---- verify --engine --model: the engine path without TensorRT ----------------------------------
+
+
+def test_llm_engine_sidecar_round_trips_through_the_reader(tiny, tmp_path):
+    from pnmix.backends.tensorrt import engine as trt
+    from pnmix.export.llm_file import read_llm_info
+
+    info = read_llm_info(tiny["onnx"])
+    shapes = trt.llm_profile_shapes(CAPACITY, 40)
+    plan = tmp_path / "m.plan"
+    plan.write_bytes(b"not a plan")
+    trt.sidecar_path(plan).write_text(json.dumps(trt.llm_sidecar(info, tiny["onnx"], plan, "11.1", "fp32", shapes)))
+    described = trt.read_sidecar(plan)
+    assert (described["kind"], described["layers"], described["capacity"]) == ("llm", 2, CAPACITY)
+    described["layers"] = 0
+    trt.sidecar_path(plan).write_text(json.dumps(described))
+    with pytest.raises(PnMixError, match="field 'layers' must be an integer >= 1"):
+        trt.read_sidecar(plan)
+
+
+class _EngineLike:
+    """An ONNX Runtime session posing as a runtime without K/V outputs (what a TensorRT engine is to
+    verify): the engine path of verify_llm, everything but the TensorRT calls."""
+
+    backend, runtime_name = "engine-llm", "TensorRT"
+
+    def __init__(self, path):
+        from pnmix.export.generate import LlmSession
+
+        self._session = LlmSession(path)
+        self.info = self._session.info
+
+    def __getattr__(self, name):
+        return getattr(self._session, name)
+
+
+def test_verify_llm_checks_a_session_without_kv_outputs(tiny):
+    from pnmix.export.llm_verify import verify_llm
+
+    session = _EngineLike(tiny["onnx"])
+    report = verify_llm(tiny["onnx"], str(tiny["folder"]), tiny["text"], 40, 6, session=session)
+    run = report["runs"][0]
+    assert report["backend"] == "engine-llm" and run["runtime"]["name"] == "TensorRT"
+    assert run["graph_bytes_exact"] is None and all(s["graph_bytes_exact"] is None for s in run["steps"])
+    assert run["tokens_identical"] and report["passed"] and len(run["steps"]) == 7
+    assert session.seq_len == 46  # the session really ran: prefill 40, then 6 steps
+
+
+def test_verify_engine_model_errors_are_one_line(tiny, tmp_path):
+    proc = run_cli("verify", "--engine", tmp_path / "missing.plan", "--model", tiny["folder"])
+    _one_line_error(proc, "engine not found")
+    proc = run_cli("verify", "--engine", tmp_path / "x.plan", "--onnx", tiny["onnx"], "--model", tiny["folder"])
+    _one_line_error(proc, "not both")

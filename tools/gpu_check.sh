@@ -246,6 +246,10 @@ if [ "$TRT" = 1 ]; then
         run trt_llm_build_engine 900 python3 -m pnmix build-engine "$WORK/llm.onnx" --plugins "$PLUGINS" \
           -o "$WORK/llm.plan" --max-seq-len 256
         [ -f "$WORK/llm.plan.json" ] && cat "$WORK/llm.plan.json"
+        if [ -f "$WORK/llm.plan" ]; then  # the engine against PyTorch with PnMixCache, as verify --onnx --model
+          run trt_llm_verify 600 python3 -m pnmix verify --engine "$WORK/llm.plan" --plugins "$PLUGINS" \
+            --model "$WORK/tiny" --prompt-tokens 40 --decode-tokens 8 --json "$LOGS/verify_llm_engine.json"
+        fi
         if [ -f "$WORK/llm.plan" ] && [ -x "$BUILD/examples/pnmix_trt_run" ]; then  # greedy over token ids
           run trt_llm_example 300 "$BUILD/examples/pnmix_trt_run" --engine "$WORK/llm.plan" --plugins "$PLUGINS" \
             --tokens 1,2,3,4,5,6,7,8,9,10,11,12 --max-new-tokens 16

@@ -26,6 +26,33 @@ from ..base import Backend, State
 from ...io import PLAN_LIMIT, read_input
 
 
+def execution_context(engine, profile: int, stream: "torch.cuda.Stream"):
+    """An execution context of the engine on one of build-engine's two profiles."""
+    context = engine.create_execution_context()
+    if context is None:
+        raise PnMixError("TensorRT could not create an execution context (out of GPU memory?)")
+    if not context.set_optimization_profile_async(profile, stream.cuda_stream):
+        raise PnMixError(f"the engine has no optimization profile {profile}; rebuild it with pnmix build-engine")
+    return context
+
+
+def length_tensor(engine, name: str, value: int, device: torch.device) -> torch.Tensor:
+    """seq_len / new_len: device scalars, unless TensorRT made them shape inputs (host)."""
+    on_host = engine.is_shape_inference_io(name)
+    return torch.tensor(value, dtype=torch.int64, device="cpu" if on_host else device)
+
+
+def deserialize(trt, plan: Path, plugins: Path):
+    """(logger, runtime, engine) of a plan, the plugins loaded first (the registry must know the creators)."""
+    load_plugins(trt, plugins)
+    logger = trt.Logger(trt.Logger.WARNING)
+    runtime = trt.Runtime(logger)
+    engine = runtime.deserialize_cuda_engine(read_input(plan, "TensorRT engine", PLAN_LIMIT))
+    if engine is None:
+        raise PnMixError(f"TensorRT cannot load the engine {plan} (built by another TensorRT version or GPU?)")
+    return logger, runtime, engine
+
+
 class TrtBackend(Backend):
     name = "engine"
 
@@ -52,14 +79,9 @@ class TrtBackend(Backend):
         require_gpu()
         if not device.startswith("cuda") or not torch.cuda.is_available():
             raise PnMixError("the engine backend keeps the cache in torch CUDA tensors; this torch sees no CUDA device")
-        load_plugins(trt, plugins)
         self.trt = trt
         self.torch_device = torch.device(device)
-        self.logger = trt.Logger(trt.Logger.WARNING)
-        self.runtime = trt.Runtime(self.logger)
-        self.engine = self.runtime.deserialize_cuda_engine(read_input(plan, "TensorRT engine", PLAN_LIMIT))
-        if self.engine is None:
-            raise PnMixError(f"TensorRT cannot load the engine {plan} (built by another TensorRT version or GPU?)")
+        self.logger, self.runtime, self.engine = deserialize(trt, plan, plugins)
         if seed != int(described["seed"]):
             self._refit(seed)
         self.stream = torch.cuda.Stream(self.torch_device)
@@ -89,17 +111,10 @@ class TrtBackend(Backend):
             raise PnMixError(f"TensorRT could not refit the engine with seed {seed}'s weights")
 
     def _context(self, profile: int):
-        context = self.engine.create_execution_context()
-        if context is None:
-            raise PnMixError("TensorRT could not create an execution context (out of GPU memory?)")
-        if not context.set_optimization_profile_async(profile, self.stream.cuda_stream):
-            raise PnMixError(f"the engine has no optimization profile {profile}; rebuild it with pnmix build-engine")
-        return context
+        return execution_context(self.engine, profile, self.stream)
 
     def _length(self, name: str, value: int) -> torch.Tensor:
-        # seq_len / new_len are device scalars, unless TensorRT made them shape inputs (host).
-        on_host = self.engine.is_shape_inference_io(name)
-        return torch.tensor(value, dtype=torch.int64, device="cpu" if on_host else self.torch_device)
+        return length_tensor(self.engine, name, value, self.torch_device)
 
     # ---- the Backend interface ------------------------------------------------------------------
     def step(self, tokens: torch.Tensor, seq_len: int, write: bool) -> torch.Tensor:

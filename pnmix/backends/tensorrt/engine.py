@@ -42,6 +42,8 @@ SIDECAR_FORMAT = "pnmix-engine-1"
 # each checked for its type when present (hand-written or older descriptions may lack them).
 SIDECAR_NOTES = {"tensorrt_version": str, "onnx": str, "plugins": str, "precision": str, "refittable": bool}
 SIDECAR_PROFILES = ("decode", "prefill", "max_prefill")
+# An LLM engine's sidecar (kind "llm") also names the model, its layers and vocabulary.
+SIDECAR_LLM_FIELDS = {"kind": str, "model": str, "layers": int, "vocab_size": int}
 
 
 # ---------------------------------------------------------------------------------------
@@ -354,7 +356,9 @@ def _check_sidecar(data: Dict[str, Any]) -> None:
     from ...format import CacheLayout
     from ...model import HEAD_DIM, KV_HEADS, SEED_RANGE
 
-    known = {"format", "config", "capacity", "batch", "seed", "profiles", *SIDECAR_NOTES}
+    llm = data.get("kind") == "llm"
+    known = {"format", "config", "capacity", "batch", "seed", "profiles", *SIDECAR_NOTES,
+             *(SIDECAR_LLM_FIELDS if llm else ())}
     unknown = sorted(set(data) - known)
     if unknown:
         raise PnMixError(f"unknown field '{unknown[0]}'")
@@ -368,7 +372,16 @@ def _check_sidecar(data: Dict[str, Any]) -> None:
     for name in ("capacity", "batch"):
         _need_int(data, name, 1)
     _need_int(data, "seed", *SEED_RANGE)
-    CacheLayout(config, data["batch"], KV_HEADS, HEAD_DIM, data["capacity"])  # the layout's own limits
+    if llm:  # the layout's heads are the model's (its ONNX file has them); checked when the file is read
+        for name in SIDECAR_LLM_FIELDS:
+            if name not in data:
+                raise PnMixError(f"field '{name}' is missing (rebuild the engine with `pnmix build-engine`)")
+        if not isinstance(data["model"], str):
+            raise PnMixError(f"field 'model' must be a str, got {data['model']!r}")
+        _need_int(data, "layers", 1)
+        _need_int(data, "vocab_size", 1)
+    else:
+        CacheLayout(config, data["batch"], KV_HEADS, HEAD_DIM, data["capacity"])  # the layout's own limits
     for name, kind in SIDECAR_NOTES.items():
         if name in data and not isinstance(data[name], kind):
             raise PnMixError(f"field '{name}' must be a {kind.__name__}, got {data[name]!r}")
