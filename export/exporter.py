@@ -127,13 +127,8 @@ class DiagnosticStep(nn.Module):
     def example(self) -> tuple:
         prefill = min(self.layout.max_seq_len, 2 * self.layout.config.group_size + 1)
         shapes = self.layout.state_shapes()
-        state = [torch.zeros(shapes[name], dtype=_torch_dtype(name)) for name in STATE_NAMES]
+        state = [torch.zeros(shapes[name], dtype=torch_ops.graph_state_dtype(name)) for name in STATE_NAMES]
         return (torch.zeros(self.layout.batch, prefill, dtype=torch.long), torch.tensor(0), torch.tensor(prefill), state)
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    """The graph's dtype of a state tensor (codes and mask INT8, the rest fp16)."""
-    return {TensorProto.INT8: torch.int8, TensorProto.FLOAT16: torch.float16}[ops.STATE_ONNX_TYPES[name]]
 
 
 def build_model(config: PnMixConfig, max_seq_len: int = defaults.EXPORT_MAX_SEQ_LEN, batch: int = defaults.EXPORT_BATCH,

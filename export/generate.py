@@ -19,6 +19,7 @@ from pnmix.errors import PnMixError, one_line
 from pnmix.format import STATE_NAMES
 
 from .llama import state_input_name, state_output_name
+from .torch_ops import graph_state_numpy_dtype
 from .llm_file import LlmFileInfo, check_tokenizer, read_llm_info
 
 
@@ -57,7 +58,7 @@ class LlmSession:
     def reset(self) -> None:
         shapes = self.info.layout.state_shapes()
         self.state: Dict[str, np.ndarray] = {
-            state_input_name(i, name): np.zeros(shapes[name], dtype=_numpy_dtype(name))
+            state_input_name(i, name): np.zeros(shapes[name], dtype=graph_state_numpy_dtype(name))
             for i in range(self.info.layers) for name in STATE_NAMES}
         self.seq_len = 0
 
@@ -92,10 +93,6 @@ class LlmSession:
             used += layout.persistent_bytes(self.seq_len, tensors)["persistent_cache_bytes"]
         allocated = sum(a.nbytes for a in self.state.values())
         return {"persistent_cache_bytes": used, "allocated_bytes": allocated}
-
-
-def _numpy_dtype(name: str):
-    return np.int8 if name in ("key_codes", "value_codes", "pair_mask") else np.float16
 
 
 @dataclass

@@ -43,10 +43,6 @@ def state_output_name(layer: int, name: str) -> str:
     return f"present.{layer}.{name}"
 
 
-def _torch_state_dtype(name: str) -> torch.dtype:
-    return torch.int8 if name in ("key_codes", "value_codes", "pair_mask") else torch.float16
-
-
 def rope_type(model_config: Any) -> str:
     scaling = getattr(model_config, "rope_scaling", None) or {}
     params = getattr(model_config, "rope_parameters", None) or {}
@@ -217,7 +213,7 @@ class PnMixDecoder(nn.Module):
     def empty_state(self) -> List[torch.Tensor]:
         """Every layer's state tensors, zeroed, flat in (layer, STATE_NAMES) order."""
         shapes = self.layout.state_shapes()
-        return [torch.zeros(shapes[name], dtype=_torch_state_dtype(name))
+        return [torch.zeros(shapes[name], dtype=torch_ops.graph_state_dtype(name))
                 for _ in range(self.dims.layers) for name in STATE_NAMES]
 
     # ---- the step --------------------------------------------------------------------------

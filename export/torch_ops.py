@@ -54,6 +54,18 @@ def _layout(config_json: str, max_seq_len: int, k_new: torch.Tensor) -> CacheLay
     return CacheLayout(_config(config_json), int(batch), int(kv_heads), int(head_dim), int(max_seq_len))
 
 
+def graph_state_dtype(name: str) -> torch.dtype:
+    """A state tensor's dtype in the graph, a traced model and a runtime's buffers: the format's
+    uint8 codes and mask are INT8 there (the same bytes; ONNX runtimes and TensorRT take INT8), the
+    rest fp16 (pnmix.format.STATE_DTYPES)."""
+    return torch.int8 if STATE_DTYPES[name] == torch.uint8 else STATE_DTYPES[name]
+
+
+def graph_state_numpy_dtype(name: str):
+    """graph_state_dtype as numpy's dtype (ONNX Runtime feeds)."""
+    return torch.empty(0, dtype=graph_state_dtype(name)).numpy().dtype
+
+
 def _reference_state(state: Sequence[torch.Tensor]) -> Dict[str, torch.Tensor]:
     """The graph's state (codes and mask int8) as the reference's dict (codes uint8)."""
     return {name: t.view(STATE_DTYPES[name]) for name, t in zip(STATE_NAMES, state)}

@@ -20,6 +20,7 @@ from ..errors import PnMixError, one_line
 from ..format import STATE_DTYPES, STATE_NAMES, CacheLayout, checked_state
 from ..memory import check_fits
 from ..model import VOCAB
+from ..export.torch_ops import graph_state_numpy_dtype
 from .base import Backend
 
 
@@ -100,7 +101,7 @@ class OnnxBackend(Backend):
         self._run_options = import_onnxruntime().RunOptions()
         self._run_options.log_severity_level = ORT_LOG_SEVERITY
         self._output_names = [o.name for o in self.session.get_outputs()]
-        self._state = {name: np.zeros(shape, dtype=_numpy_dtype(name))
+        self._state = {name: np.zeros(shape, dtype=graph_state_numpy_dtype(name))
                        for name, shape in self.layout.state_shapes().items()}
         self.seq_len = 0
 
@@ -137,7 +138,7 @@ class OnnxBackend(Backend):
         arrays = {name: np.asarray(state[name]) for name in STATE_NAMES if state.get(name) is not None}
         self.layout.check_state(arrays)
         for name in STATE_NAMES:
-            feeds[name] = np.ascontiguousarray(arrays[name]).view(_numpy_dtype(name))
+            feeds[name] = np.ascontiguousarray(arrays[name]).view(graph_state_numpy_dtype(name))
         try:
             values = self.session.run(None, feeds, self._run_options)
         except Exception as exc:  # ONNX Runtime's own exception types (a failed allocation, a bad kernel)
@@ -148,7 +149,7 @@ class OnnxBackend(Backend):
         """Start from a given packed state (uint8 or int8 codes) holding seq_len tokens, checked
         as PackedKVCache.import_state checks it (format.checked_state)."""
         checked, seq_len = checked_state(self.layout, tensors, seq_len, "loaded cache state")
-        self._state = {name: t.cpu().contiguous().numpy().view(_numpy_dtype(name)).copy()
+        self._state = {name: t.cpu().contiguous().numpy().view(graph_state_numpy_dtype(name)).copy()
                        for name, t in checked.items()}
         self.seq_len = seq_len
 
@@ -163,6 +164,3 @@ class OnnxBackend(Backend):
             raise PnMixError(f"tokens must be bytes 0..{VOCAB - 1}")
         return int(tokens.shape[1])
 
-
-def _numpy_dtype(name: str):
-    return np.int8 if STATE_DTYPES[name] == torch.uint8 else np.float16

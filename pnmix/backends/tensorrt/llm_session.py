@@ -24,13 +24,10 @@ import torch
 
 from ...config import PnMixConfig
 from ...errors import PnMixError
+from ...export.torch_ops import graph_state_dtype
 from ...format import STATE_NAMES
 from .backend import deserialize, execution_context, length_tensor
 from .engine import DECODE_PROFILE, PREFILL_PROFILE, check_plugin_path, import_tensorrt, read_sidecar, require_gpu
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    return torch.int8 if name in ("key_codes", "value_codes", "pair_mask") else torch.float16
 
 
 class EngineLlmSession:
@@ -69,7 +66,7 @@ class EngineLlmSession:
         shapes = self.info.layout.state_shapes()
         self.names = [(layer, name) for layer in range(self.info.layers) for name in STATE_NAMES]
         self.buffers: Dict[str, torch.Tensor] = {
-            state_input_name(layer, name): torch.zeros(shapes[name], dtype=_torch_dtype(name), device=self.device)
+            state_input_name(layer, name): torch.zeros(shapes[name], dtype=graph_state_dtype(name), device=self.device)
             for layer, name in self.names}
         self.seq_len = 0
 

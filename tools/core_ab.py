@@ -1,0 +1,64 @@
+"""A/B of libpnmix_core builds: the packed decode attention of each, in ONE process, over the same cache.
+
+    python tools/core_ab.py BUILD_DIR_A BUILD_DIR_B [--context 32768] [--threads 2] [--blocks 20]
+
+Each folder holds a libpnmix_core.so (e.g. the installed pnmix/lib and a `cmake --build build/dev`
+of a change). The builds run in alternating blocks of five calls, so drift of a shared or
+throttled machine hits both alike; two separate `pnmix bench decode` runs on a virtual machine can
+differ by 15-30%, more than most kernel changes. Prints whether the outputs are bitwise equal and
+each build's median, 10th percentile and minimum milliseconds per call (batch 1, 32 query / 8 KV
+heads, head dim 128, the default config: the bench decode shape).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("builds", nargs="+", help="folders holding libpnmix_core.so")
+    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--blocks", type=int, default=20)
+    args = parser.parse_args()
+
+    from pnmix import _native
+    from pnmix.backends.core_ops import CoreOps
+    from pnmix.bench import fill_cache
+    from pnmix.config import PnMixConfig
+    from pnmix.format import CacheLayout
+
+    n = args.context
+    generator = torch.Generator().manual_seed(0)
+    layout = CacheLayout(PnMixConfig(), 1, 8, 128, n)
+    k, v = (torch.randn(1, 8, n, 128, generator=generator).half() for _ in range(2))
+    q = torch.randn(1, 32, 1, 128, generator=generator).half()
+    state = fill_cache(layout, k, v, None)
+    implementations = []
+    for folder in args.builds:  # one library per folder: forget the loaded one, point the loader here
+        _native._loaded.pop("pnmix_core", None)
+        os.environ["PNMIX_LIB_DIR"] = folder
+        implementations.append(CoreOps(args.threads))
+    outputs = [ops.attend(q, layout, state, n, None, None) for ops in implementations]
+    print("outputs bitwise equal:", all(torch.equal(outputs[0], out) for out in outputs[1:]))
+    times = [[] for _ in implementations]
+    for _ in range(args.blocks):
+        for ops, spent in zip(implementations, times):
+            for _ in range(5):
+                began = time.perf_counter()
+                ops.attend(q, layout, state, n, None, None)
+                spent.append(time.perf_counter() - began)
+    for folder, spent in zip(args.builds, times):
+        spent.sort()
+        print(f"{folder}: median {statistics.median(spent) * 1e3:.3f} ms, p10 {spent[len(spent) // 10] * 1e3:.3f}, "
+              f"min {spent[0] * 1e3:.3f} ({len(spent)} calls, {args.threads} threads, {n} tokens)")
+
+
+if __name__ == "__main__":
+    main()
