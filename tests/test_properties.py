@@ -361,7 +361,7 @@ def manifests(draw):
             extreme = st.sampled_from([10**400, -(10**400), float("nan"), float("inf"), True, 1e308, -1e-320])
             value = draw(st.one_of(st.just(value), extreme))
             field = draw(st.sampled_from(["mean", "std", "whole"]))
-            before = data["metrics"][name]  # an earlier draw may have replaced it with a non-object
+            before = data["metrics"].get(name)  # an earlier draw may have replaced it (or emptied metrics)
             before = before if isinstance(before, dict) else {}
             data["metrics"][name] = value if field == "whole" else {**before, field: value}
         else:
