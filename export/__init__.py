@@ -4,7 +4,8 @@ This folder is the top-level `export/` of the repository; it is installed as the
 `pnmix.export` (see pyproject.toml, [tool.scikit-build] wheel.packages).
 
 Modules: ``ops`` (the two ops: names, the attribute table, function bodies; ``pnmix_ops.json`` is
-its generated copy for the TensorRT plugins), ``exporter`` (``export_onnx``, ``build_model``,
+its generated copy for the TensorRT plugins), ``tracing`` (the one exporter both models go
+through), ``exporter`` (the diagnostic model it traces; ``export_onnx``, ``build_model``,
 ``build_op_model``; `pnmix export`), ``modelfile`` (``load_checked``: reading a file with every
 check), ``bench`` (`pnmix bench onnx`; ONNX Runtime's TensorRT EP is pnmix.backends.tensorrt.ort_ep).
 The LLM path (docs/OPS.md section 8): ``torch_ops`` (the ops as PyTorch custom ops and their ONNX
