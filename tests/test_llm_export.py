@@ -285,3 +285,28 @@ def test_verify_engine_model_errors_are_one_line(tiny, tmp_path):
     _one_line_error(proc, "engine not found")
     proc = run_cli("verify", "--engine", tmp_path / "x.plan", "--onnx", tiny["onnx"], "--model", tiny["folder"])
     _one_line_error(proc, "not both")
+
+
+def test_engine_session_checks_the_description_before_tensorrt(tiny, tmp_path):
+    from pnmix.backends.tensorrt import engine as trt
+    from pnmix.export.llm_file import read_llm_info
+
+    info = read_llm_info(tiny["onnx"])
+    plan = tmp_path / "m.plan"
+    plan.write_bytes(b"not a plan")
+
+    def describe(**changes):
+        sidecar = trt.llm_sidecar(info, tiny["onnx"], plan, "11.1", "fp32", trt.llm_profile_shapes(CAPACITY, 40))
+        sidecar.update(changes)
+        trt.sidecar_path(plan).write_text(json.dumps(sidecar))
+        return run_cli("verify", "--engine", plan, "--plugins", plan, "--model", tiny["folder"])
+
+    _one_line_error(describe(onnx=str(tmp_path / "gone.onnx")), "not there any more")
+    _one_line_error(describe(layers=3), "does not match")
+    diagnostic = {key: value for key, value in trt.llm_sidecar(
+        info, tiny["onnx"], plan, "11.1", "fp32", trt.llm_profile_shapes(CAPACITY, 40)).items()
+        if key not in trt.SIDECAR_LLM_FIELDS}
+    diagnostic["config"] = PnMixConfig().to_dict()
+    trt.sidecar_path(plan).write_text(json.dumps(diagnostic))
+    _one_line_error(run_cli("verify", "--engine", plan, "--plugins", plan, "--model", tiny["folder"]),
+                    "diagnostic model's engine")
