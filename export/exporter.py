@@ -37,7 +37,6 @@ from pnmix.format import STATE_NAMES, CacheLayout
 from pnmix.model import HEAD_DIM, KV_HEADS, Q_HEADS, SEED_RANGE, DiagnosticModel, project, rope_indices, rope_tables
 
 from . import ops, torch_ops, tracing
-from .tracing import META_PREFIX  # noqa: F401  (the metadata prefix's old home; readers import it here)
 
 MIN_OPSET = 18  # ReduceMin/ReduceMax take axes as an input from opset 18
 DEFAULT_OPSET = defaults.EXPORT_OPSET
@@ -124,12 +123,6 @@ class DiagnosticStep(nn.Module):
         merged = attention.transpose(1, 2).reshape(tokens.shape[0], -1, Q_HEADS * HEAD_DIM)
         return (attention, torch.matmul(merged, self.o_weight_t), *present)
 
-    def example(self) -> tuple:
-        prefill = min(self.layout.max_seq_len, 2 * self.layout.config.group_size + 1)
-        shapes = self.layout.state_shapes()
-        state = [torch.zeros(shapes[name], dtype=torch_ops.graph_state_dtype(name)) for name in STATE_NAMES]
-        return (torch.zeros(self.layout.batch, prefill, dtype=torch.long), torch.tensor(0), torch.tensor(prefill), state)
-
 
 def build_model(config: PnMixConfig, max_seq_len: int = defaults.EXPORT_MAX_SEQ_LEN, batch: int = defaults.EXPORT_BATCH,
                 seed: int = defaults.MODEL_SEED,
@@ -140,10 +133,8 @@ def build_model(config: PnMixConfig, max_seq_len: int = defaults.EXPORT_MAX_SEQ_
 
     layout = check_export_args(config, max_seq_len, batch, opset, seed)
     step = DiagnosticStep(config, layout, seed).eval()
-    tokens = torch.export.Dim("n", min=1, max=max_seq_len)
     with torch.no_grad():
-        traced = tracing.trace(step, step.example(), GRAPH_INPUTS, GRAPH_OUTPUTS,
-                               ({1: tokens}, None, None, [None] * len(STATE_NAMES)), opset)
+        traced = tracing.trace(step, layout, torch_ops.empty_graph_state(layout), GRAPH_INPUTS, GRAPH_OUTPUTS, opset)
     tracing.finish(traced, layout, Q_HEADS, opset, {
         "format_version": "1", "seed": str(seed), "max_seq_len": str(max_seq_len), "batch": str(batch),
         "config": json.dumps(config.to_dict(), sort_keys=True),

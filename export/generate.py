@@ -65,9 +65,7 @@ class LlmSession:
     def step(self, ids: List[int]) -> np.ndarray:
         """Append the tokens ids (prefill: the prompt; decode: one token); fp32 logits [vocab] of the last."""
         n = len(ids)
-        if self.seq_len + n > self.info.max_seq_len:
-            raise PnMixError(f"cache capacity exceeded: {self.seq_len} + {n} tokens > max_seq_len "
-                             f"{self.info.max_seq_len} of {self.info.path.name} (export with a larger --max-seq-len)")
+        self.info.check_room(self.seq_len, n)
         feeds = {"input_ids": np.asarray([ids], dtype=np.int64), "seq_len": np.array(self.seq_len, dtype=np.int64),
                  "new_len": np.array(n, dtype=np.int64), **self.state}
         values = dict(zip(self.output_names, self.session.run(None, feeds)))

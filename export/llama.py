@@ -212,9 +212,7 @@ class PnMixDecoder(nn.Module):
 
     def empty_state(self) -> List[torch.Tensor]:
         """Every layer's state tensors, zeroed, flat in (layer, STATE_NAMES) order."""
-        shapes = self.layout.state_shapes()
-        return [torch.zeros(shapes[name], dtype=torch_ops.graph_state_dtype(name))
-                for _ in range(self.dims.layers) for name in STATE_NAMES]
+        return [t for _ in range(self.dims.layers) for t in torch_ops.empty_graph_state(self.layout)]
 
     # ---- the step --------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, seq_len: torch.Tensor, new_len: torch.Tensor,

@@ -24,13 +24,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+from pnmix import defaults
 from pnmix.config import PnMixConfig, read_json_file
 from pnmix.errors import PnMixError, describe
 
 from .llm_file import LLM_KIND, tokenizer_fingerprint
 from .tracing import finish
 
-EXPORT_OPSET = 18
+EXPORT_OPSET = defaults.EXPORT_OPSET
 DTYPES = ("fp32", "fp16")
 @dataclass(frozen=True)
 class LlmExportResult:
@@ -76,17 +77,11 @@ def build_decoder(source, dtype: str, max_seq_len: int, config_path: Optional[Pa
 
 def trace(decoder) -> Any:
     """The decoder through the one exporter (export/tracing.py): an onnx_ir model with pn-mix nodes."""
-    import torch
-
     from .tracing import trace as trace_module
 
-    prefill = min(decoder.max_seq_len, 2 * decoder.layout.config.group_size + 1)
-    example = (torch.zeros(1, prefill, dtype=torch.long), torch.tensor(0), torch.tensor(prefill),
-               decoder.empty_state())
     inputs, outputs = decoder.state_names()
-    tokens = torch.export.Dim("n", min=1, max=decoder.max_seq_len)
-    return trace_module(decoder, example, ["input_ids", "seq_len", "new_len", *inputs], ["logits", *outputs],
-                        ({1: tokens}, None, None, [None] * len(inputs)), EXPORT_OPSET)
+    return trace_module(decoder, decoder.layout, decoder.empty_state(), ["input_ids", "seq_len", "new_len", *inputs],
+                        ["logits", *outputs], EXPORT_OPSET)
 
 
 def save_atomic(ir_model, path: Path) -> Path:

@@ -17,7 +17,7 @@ from pnmix.config import PnMixConfig
 from pnmix.errors import PnMixError, describe
 from pnmix.format import CacheLayout
 
-from .exporter import META_PREFIX
+from .tracing import META_PREFIX
 
 LLM_KIND = "llm"
 # metadata keys of an LLM file (each read back by LlmFileInfo)
@@ -48,6 +48,12 @@ class LlmFileInfo:
     @property
     def max_seq_len(self) -> int:
         return self.layout.max_seq_len
+
+    def check_room(self, seq_len: int, n: int) -> None:
+        """n more tokens must fit the file's cache (every runtime of the file checks this first)."""
+        if seq_len + n > self.max_seq_len:
+            raise PnMixError(f"cache capacity exceeded: {seq_len} + {n} tokens > max_seq_len {self.max_seq_len} "
+                             f"of {self.path.name} (export with a larger --max-seq-len)")
 
 
 def is_llm_file(path: Path) -> bool:

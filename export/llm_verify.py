@@ -241,25 +241,22 @@ def _report(info, onnx_path, model, steps, tokens_ort, tokens_torch, prompt_toke
     }
 
 
-def verify_llm_command(onnx_path: Path, model: str, text: Optional[Path], prompt_tokens: int,
-                       decode_tokens: int, json_path: Optional[Path]) -> int:
+def verify_llm_command(onnx_path: Optional[Path], model: str, text: Optional[Path], prompt_tokens: int,
+                       decode_tokens: int, json_path: Optional[Path], engine: Optional[Path] = None,
+                       plugins: Optional[Path] = None) -> int:
+    """`pnmix verify --onnx FILE --model MODEL`, or `--engine PLAN`: the TensorRT engine built from
+    such a file, checked the same way (pnmix.backends.tensorrt.llm_session)."""
     from pnmix.io import check_output_path
 
     if json_path is not None:
         check_output_path(json_path)
-    return print_and_write(verify_llm(Path(onnx_path), model, text, prompt_tokens, decode_tokens), json_path)
+    session = None
+    if engine is not None:
+        from pnmix.backends.tensorrt.llm_session import EngineLlmSession
 
-
-def verify_engine_llm_command(engine: Path, plugins: Optional[Path], model: str, text: Optional[Path],
-                              prompt_tokens: int, decode_tokens: int, json_path: Optional[Path]) -> int:
-    """`pnmix verify --engine PLAN --model MODEL`: the engine checked as verify --onnx checks the file."""
-    from pnmix.backends.tensorrt.llm_session import EngineLlmSession
-    from pnmix.io import check_output_path
-
-    if json_path is not None:
-        check_output_path(json_path)
-    session = EngineLlmSession(engine, plugins)
-    report = verify_llm(session.info.path, model, text, prompt_tokens, decode_tokens, session=session)
+        session = EngineLlmSession(engine, plugins)
+        onnx_path = session.info.path
+    report = verify_llm(Path(onnx_path), model, text, prompt_tokens, decode_tokens, session=session)
     return print_and_write(report, json_path)
 
 

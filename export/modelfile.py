@@ -26,7 +26,7 @@ from pnmix.memory import check_fits
 from pnmix.model import HEAD_DIM, KV_HEADS
 
 from . import ops
-from .exporter import META_PREFIX
+from .tracing import META_PREFIX
 
 GRAPH_INPUTS: Tuple[str, ...] = ("tokens", "seq_len", "new_len") + STATE_NAMES
 GRAPH_OUTPUTS: Tuple[str, ...] = ("attention", "output") + ops.APPEND_OUTPUTS

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
-from typing import Dict, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 
@@ -64,6 +64,12 @@ def graph_state_dtype(name: str) -> torch.dtype:
 def graph_state_numpy_dtype(name: str):
     """graph_state_dtype as numpy's dtype (ONNX Runtime feeds)."""
     return torch.empty(0, dtype=graph_state_dtype(name)).numpy().dtype
+
+
+def empty_graph_state(layout: CacheLayout) -> List[torch.Tensor]:
+    """One layer's state tensors as a traced step takes them: zeros in STATE_NAMES order."""
+    shapes = layout.state_shapes()
+    return [torch.zeros(shapes[name], dtype=graph_state_dtype(name)) for name in STATE_NAMES]
 
 
 def _reference_state(state: Sequence[torch.Tensor]) -> Dict[str, torch.Tensor]:

@@ -12,22 +12,32 @@ import contextlib
 import io
 import logging
 import warnings
-from typing import Dict, Sequence
+from typing import Dict, List, Sequence
 
 from pnmix.format import CacheLayout
 
 META_PREFIX = "pnmix."
 
 
-def trace(module, example: tuple, input_names: Sequence[str], output_names: Sequence[str], dynamic_shapes,
-          opset: int):
-    """The module through torch.onnx.export(dynamo=True): an onnx_ir model with pn-mix nodes.
+TOKENS_DIM = "n"  # the dynamic token axis of every file's first input
 
+
+def trace(module, layout: CacheLayout, state: List, input_names: Sequence[str], output_names: Sequence[str],
+          opset: int):
+    """One step of the module, ``module(tokens [B, n], seq_len, new_len, state)``, through
+    torch.onnx.export(dynamo=True): an onnx_ir model with pn-mix nodes, n dynamic (1..capacity).
+
+    The example step is a prefill of two groups and a token from an empty cache (``state``, zeros).
     Without onnxscript's optimizer: it took a quarter of SmolLM2's export time (measured) for
     folding that ONNX Runtime's own graph optimizations do at session start."""
     import torch
 
     from . import torch_ops
+
+    prefill = min(layout.max_seq_len, 2 * layout.config.group_size + 1)
+    example = (torch.zeros(layout.batch, prefill, dtype=torch.long), torch.tensor(0), torch.tensor(prefill), state)
+    tokens = torch.export.Dim(TOKENS_DIM, min=1, max=layout.max_seq_len)
+    dynamic_shapes = ({1: tokens}, None, None, [None] * len(state))
 
     # torch.onnx warns (logging) about optional packages it does not need here, such as
     # torchvision, and prints its progress on stdout; a command prints one summary line.
@@ -38,15 +48,13 @@ def trace(module, example: tuple, input_names: Sequence[str], output_names: Sequ
             module, example, dynamo=True, opset_version=opset, optimize=False, verbose=False,
             input_names=list(input_names), output_names=list(output_names), dynamic_shapes=dynamic_shapes,
             custom_translation_table=torch_ops.translation_table())
-    for name, axes in zip(input_names, dynamic_shapes):
-        for axis, dim in (axes or {}).items() if isinstance(axes, dict) else ():
-            _name_dim(program.model, name, axis, dim.__name__)
+    _name_dim(program.model, input_names[0], 1, TOKENS_DIM)
     return program.model
 
 
 def _name_dim(ir_model, input_name: str, axis: int, name: str) -> None:
     """The exporter names a dynamic dimension after its symbol (s27); the file's interface names it
-    after its torch.export.Dim (n), in every value that carries it."""
+    ``name`` (n), in every value that carries it."""
     import onnx_ir as ir
 
     graph = ir_model.graph

@@ -203,12 +203,9 @@ def verify(
         if (onnx is None) == (engine is None) or backend:
             raise PnMixError("--model verifies an exported LLM file or its engine: give it with --onnx FILE or "
                              "--engine PLAN, not both")
-        if engine is not None:
-            _call("pnmix.export.llm_verify", "verify_engine_llm_command", engine=engine, plugins=plugins,
-                  model=model, text=text, prompt_tokens=prompt_tokens, decode_tokens=decode_tokens,
-                  json_path=json_path)
         _call("pnmix.export.llm_verify", "verify_llm_command", onnx_path=onnx, model=model, text=text,
-              prompt_tokens=prompt_tokens, decode_tokens=decode_tokens, json_path=json_path)
+              prompt_tokens=prompt_tokens, decode_tokens=decode_tokens, json_path=json_path, engine=engine,
+              plugins=plugins)
     chosen = [name for name, given in (("backend", backend), ("onnx", onnx), ("engine", engine)) if given]
     if len(chosen) != 1:
         raise PnMixError("give exactly one of --backend NAME, --onnx MODEL or --engine PLAN")

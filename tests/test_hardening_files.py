@@ -302,7 +302,7 @@ def _with_capacity(data: bytes, capacity: int, path: Path) -> Path:
     """The export, its metadata and state inputs rewritten to claim `capacity` tokens."""
     import onnx
 
-    from pnmix.export.exporter import META_PREFIX
+    from pnmix.export.tracing import META_PREFIX
     from pnmix.format import CacheLayout
     from pnmix.model import HEAD_DIM, KV_HEADS
 

@@ -235,15 +235,25 @@ def test_verify_of_an_llm_file_without_model_says_to_give_it(tiny):
 # ---- verify --engine --model: the engine path without TensorRT ----------------------------------
 
 
-def test_llm_engine_sidecar_round_trips_through_the_reader(tiny, tmp_path):
+def _described_plan(tiny, folder, drop=(), **changes):
+    """A stand-in plan with the description build-engine writes for the tiny file (fields changed
+    or dropped as asked): everything verify reads before TensorRT."""
     from pnmix.backends.tensorrt import engine as trt
     from pnmix.export.llm_file import read_llm_info
 
-    info = read_llm_info(tiny["onnx"])
-    shapes = trt.llm_profile_shapes(CAPACITY, 40)
-    plan = tmp_path / "m.plan"
+    plan = folder / "m.plan"
     plan.write_bytes(b"not a plan")
-    trt.sidecar_path(plan).write_text(json.dumps(trt.llm_sidecar(info, tiny["onnx"], plan, "11.1", "fp32", shapes)))
+    described = trt.llm_sidecar(read_llm_info(tiny["onnx"]), tiny["onnx"], plan, "11.1", "fp32",
+                                trt.llm_profile_shapes(CAPACITY, 40))
+    described = {key: value for key, value in {**described, **changes}.items() if key not in drop}
+    trt.sidecar_path(plan).write_text(json.dumps(described))
+    return plan
+
+
+def test_llm_engine_sidecar_round_trips_through_the_reader(tiny, tmp_path):
+    from pnmix.backends.tensorrt import engine as trt
+
+    plan = _described_plan(tiny, tmp_path)
     described = trt.read_sidecar(plan)
     assert (described["kind"], described["layers"], described["capacity"]) == ("llm", 2, CAPACITY)
     described["layers"] = 0
@@ -289,24 +299,11 @@ def test_verify_engine_model_errors_are_one_line(tiny, tmp_path):
 
 def test_engine_session_checks_the_description_before_tensorrt(tiny, tmp_path):
     from pnmix.backends.tensorrt import engine as trt
-    from pnmix.export.llm_file import read_llm_info
 
-    info = read_llm_info(tiny["onnx"])
-    plan = tmp_path / "m.plan"
-    plan.write_bytes(b"not a plan")
-
-    def describe(**changes):
-        sidecar = trt.llm_sidecar(info, tiny["onnx"], plan, "11.1", "fp32", trt.llm_profile_shapes(CAPACITY, 40))
-        sidecar.update(changes)
-        trt.sidecar_path(plan).write_text(json.dumps(sidecar))
+    def verify(plan):
         return run_cli("verify", "--engine", plan, "--plugins", plan, "--model", tiny["folder"])
 
-    _one_line_error(describe(onnx=str(tmp_path / "gone.onnx")), "not there any more")
-    _one_line_error(describe(layers=3), "does not match")
-    diagnostic = {key: value for key, value in trt.llm_sidecar(
-        info, tiny["onnx"], plan, "11.1", "fp32", trt.llm_profile_shapes(CAPACITY, 40)).items()
-        if key not in trt.SIDECAR_LLM_FIELDS}
-    diagnostic["config"] = PnMixConfig().to_dict()
-    trt.sidecar_path(plan).write_text(json.dumps(diagnostic))
-    _one_line_error(run_cli("verify", "--engine", plan, "--plugins", plan, "--model", tiny["folder"]),
-                    "diagnostic model's engine")
+    _one_line_error(verify(_described_plan(tiny, tmp_path, onnx=str(tmp_path / "gone.onnx"))), "not there any more")
+    _one_line_error(verify(_described_plan(tiny, tmp_path, layers=3)), "does not match")
+    diagnostic = _described_plan(tiny, tmp_path, drop=trt.SIDECAR_LLM_FIELDS, config=PnMixConfig().to_dict())
+    _one_line_error(verify(diagnostic), "diagnostic model's engine")

@@ -32,6 +32,14 @@ def exported(tmp_path_factory):
     return {"manifest": manifest_file, "other": other_file}
 
 
+def empty_feeds(layout):
+    """An empty cache as the file's state inputs (codes and mask INT8)."""
+    from pnmix.export.torch_ops import empty_graph_state
+    from pnmix.format import STATE_NAMES
+
+    return {name: t.numpy() for name, t in zip(STATE_NAMES, empty_graph_state(layout))}
+
+
 def all_nodes(nodes):
     """Nodes with the nodes of their subgraphs (If branches), depth first."""
     for node in nodes:
@@ -168,8 +176,7 @@ def test_batch_of_two_and_chunked_appends_match_the_reference_cache(tmp_path):
     names = [o.name for o in session.get_outputs()]
     tokens = torch.randint(0, 256, (2, 150), generator=torch.Generator().manual_seed(1))
     model, cache = DiagnosticModel(42), PackedKVCache(config, 2, 32, 200, batch=2)
-    state = {n: (t.view(torch.int8) if t.dtype == torch.uint8 else t).numpy()
-             for n, t in info.layout.empty_state().items()}
+    state = empty_feeds(info.layout)
     seq_len = 0
     for n in (37, 1, 1, 50, 1, 60):
         chunk = tokens[:, seq_len:seq_len + n]
@@ -198,8 +205,7 @@ def test_the_file_is_traced_from_the_reference_projection(tmp_path, monkeypatch)
     def sink_k(path):
         _, info = load_checked(path)
         session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-        state = {n: (t.view(torch.int8) if t.dtype == torch.uint8 else t).numpy()
-                 for n, t in info.layout.empty_state().items()}
+        state = empty_feeds(info.layout)
         out = session.run(["present_sink_k"], {"tokens": tokens.numpy(), "seq_len": np.array(0),
                                                "new_len": np.array(9), **state})[0]
         return torch.from_numpy(out[:, :, :4])

@@ -146,6 +146,10 @@ int64_t volume(const nvinfer1::Dims& d) {
   return v;
 }
 
+double elapsed_ms(std::chrono::steady_clock::time_point began) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - began).count();
+}
+
 // One device buffer per tensor the engine reads or writes, sized for the largest call.
 struct DeviceBuffer {
   void* ptr = nullptr;
@@ -156,14 +160,67 @@ struct DeviceBuffer {
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
 };
 
+// One state tensor's device buffer, its size checked against docs/FORMAT.md, zeroed: an empty cache.
+std::unique_ptr<DeviceBuffer> zeroed_state(const nvinfer1::ICudaEngine* engine, const std::string& name,
+                                           const pnmix_layout& L, int i, cudaStream_t stream) {
+  const int64_t bytes = volume(engine->getTensorShape(name.c_str())) * pnmix::state_elem_bytes(i);
+  if (bytes != pnmix::state_bytes(L, i)) die("state tensor " + name + " does not match docs/FORMAT.md for this config");
+  std::unique_ptr<DeviceBuffer> buffer(new DeviceBuffer(static_cast<size_t>(bytes)));
+  cuda_check(cudaMemsetAsync(buffer->ptr, 0, buffer->bytes, stream), "cudaMemset");
+  return buffer;
+}
+
+// seq_len and new_len of a call: int64 device scalars, unless TensorRT made them shape inputs (host).
+struct Lengths {
+  DeviceBuffer seq{8}, added{8};
+  bool on_host;
+  int64_t host[2] = {0, 0};
+  explicit Lengths(const nvinfer1::ICudaEngine* engine) : on_host(engine->isShapeInferenceIO("seq_len")) {}
+
+  // Upload (cache_len, append) and bind both; false when the engine has no such inputs.
+  bool bind(nvinfer1::IExecutionContext* context, int64_t cache_len, int64_t append, cudaStream_t stream) {
+    host[0] = cache_len;
+    host[1] = append;
+    if (!on_host) {
+      cuda_check(cudaMemcpyAsync(seq.ptr, &host[0], 8, cudaMemcpyHostToDevice, stream), "seq_len");
+      cuda_check(cudaMemcpyAsync(added.ptr, &host[1], 8, cudaMemcpyHostToDevice, stream), "new_len");
+    }
+    return context->setTensorAddress("seq_len", on_host ? static_cast<void*>(&host[0]) : seq.ptr) &&
+           context->setTensorAddress("new_len", on_host ? static_cast<void*>(&host[1]) : added.ptr);
+  }
+};
+
+// The token input's shape of a call, [batch, n].
+void set_tokens_shape(nvinfer1::IExecutionContext* context, const char* name, int64_t batch, int64_t n) {
+  nvinfer1::Dims shape{};
+  shape.nbDims = 2;
+  shape.d[0] = batch;
+  shape.d[1] = n;
+  if (!context->setInputShape(name, shape)) die("the engine does not take this many tokens");
+}
+
+// One execution context per profile of `pnmix build-engine`: 0 decode (n = 1), 1 prefill and evaluation.
+struct ProfileContexts {
+  std::unique_ptr<nvinfer1::IExecutionContext> decode, prefill;
+};
+
+ProfileContexts profile_contexts(nvinfer1::ICudaEngine* engine, cudaStream_t stream) {
+  ProfileContexts c{std::unique_ptr<nvinfer1::IExecutionContext>(engine->createExecutionContext()),
+                    std::unique_ptr<nvinfer1::IExecutionContext>(engine->createExecutionContext())};
+  if (!c.decode || !c.prefill) die("createExecutionContext failed");
+  if (engine->getNbOptimizationProfiles() >= 2 && !c.prefill->setOptimizationProfileAsync(1, stream))
+    die("no prefill profile");
+  if (!c.decode->setOptimizationProfileAsync(0, stream)) die("no decode profile");
+  return c;
+}
+
 struct Runner {
   nvinfer1::ICudaEngine* engine;
   cudaStream_t stream;
   int64_t batch, q_heads, head_dim, d_model, max_tokens;
   std::vector<std::unique_ptr<DeviceBuffer>> state;  // the cache, in STATE_NAMES order
-  std::unique_ptr<DeviceBuffer> tokens, attention, output, seq_len, new_len;
-  bool lengths_on_host = false;
-  int64_t host_lengths[2] = {0, 0};
+  std::unique_ptr<DeviceBuffer> tokens, attention, output;
+  std::unique_ptr<Lengths> lengths;
 
   // One engine call: tokens [B, n] (host), attention out [B, Hq, n, D] copied to `attention_out`.
   double run(nvinfer1::IExecutionContext* context, const std::vector<int64_t>& host_tokens, int64_t start,
@@ -174,24 +231,8 @@ struct Runner {
     for (int64_t b = 0; b < batch; ++b)
       std::copy(host_tokens.begin() + start, host_tokens.begin() + start + n, rows.begin() + b * n);
     cuda_check(cudaMemcpyAsync(tokens->ptr, rows.data(), rows.size() * 8, cudaMemcpyHostToDevice, stream), "tokens");
-    host_lengths[0] = cache_len;
-    host_lengths[1] = append;
-    void* seq_ptr = seq_len->ptr;
-    void* new_ptr = new_len->ptr;
-    if (lengths_on_host) {
-      seq_ptr = &host_lengths[0];
-      new_ptr = &host_lengths[1];
-    } else {
-      cuda_check(cudaMemcpyAsync(seq_len->ptr, &host_lengths[0], 8, cudaMemcpyHostToDevice, stream), "seq_len");
-      cuda_check(cudaMemcpyAsync(new_len->ptr, &host_lengths[1], 8, cudaMemcpyHostToDevice, stream), "new_len");
-    }
-    nvinfer1::Dims shape{};
-    shape.nbDims = 2;
-    shape.d[0] = batch;
-    shape.d[1] = n;
-    if (!context->setInputShape("tokens", shape)) die("the engine does not take this many tokens");
-    bool ok = context->setTensorAddress("tokens", tokens->ptr) && context->setTensorAddress("seq_len", seq_ptr) &&
-              context->setTensorAddress("new_len", new_ptr) &&
+    set_tokens_shape(context, "tokens", batch, n);
+    bool ok = context->setTensorAddress("tokens", tokens->ptr) && lengths->bind(context, cache_len, append, stream) &&
               context->setTensorAddress("attention", attention->ptr) &&
               context->setTensorAddress("output", output->ptr);
     for (int i = 0; i < PNMIX_NUM_STATE; ++i) {
@@ -205,7 +246,7 @@ struct Runner {
     const auto began = std::chrono::steady_clock::now();
     if (!context->enqueueV3(stream)) die("TensorRT failed to run the engine (see its log above)");
     cuda_check(cudaStreamSynchronize(stream), "engine run");
-    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - began).count();
+    const double ms = elapsed_ms(began);
     if (attention_out) {
       attention_out->resize(static_cast<size_t>(batch * q_heads * n * head_dim));
       cuda_check(cudaMemcpy(attention_out->data(), attention->ptr, attention_out->size() * 4, cudaMemcpyDeviceToHost),
@@ -244,10 +285,6 @@ void load_engine(const Args& args, LoadedEngine& out) {
   if (!out.engine) die("TensorRT cannot deserialize " + args.engine);
 }
 
-double elapsed_ms(std::chrono::steady_clock::time_point began) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - began).count();
-}
-
 // ---- the LLM engine: greedy generation over token ids ----------------------------------------
 
 std::vector<int64_t> parse_ids(const std::string& text, int64_t vocab) {
@@ -274,30 +311,17 @@ struct LlmRunner {
   cudaStream_t stream;
   int64_t layers, vocab, max_tokens;
   std::vector<std::unique_ptr<DeviceBuffer>> state;  // layer-major, STATE_NAMES order within a layer
-  std::unique_ptr<DeviceBuffer> ids, logits, seq_len, new_len;
-  bool lengths_on_host = false;
-  int64_t host_lengths[2] = {0, 0};
+  std::unique_ptr<DeviceBuffer> ids, logits;
+  std::unique_ptr<Lengths> lengths;
 
   // One call: ids at positions seq_len.., appended; returns the argmax of the last position's logits.
   int64_t step(nvinfer1::IExecutionContext* context, const int64_t* host_ids, int64_t n, int64_t cache_len) {
     if (n > max_tokens) die("the prompt has more tokens than the engine's prefill profile (" +
                             std::to_string(max_tokens) + ")");
     cuda_check(cudaMemcpyAsync(ids->ptr, host_ids, static_cast<size_t>(n) * 8, cudaMemcpyHostToDevice, stream), "ids");
-    host_lengths[0] = cache_len;
-    host_lengths[1] = n;
-    void* seq_ptr = lengths_on_host ? static_cast<void*>(&host_lengths[0]) : seq_len->ptr;
-    void* new_ptr = lengths_on_host ? static_cast<void*>(&host_lengths[1]) : new_len->ptr;
-    if (!lengths_on_host) {
-      cuda_check(cudaMemcpyAsync(seq_len->ptr, &host_lengths[0], 8, cudaMemcpyHostToDevice, stream), "seq_len");
-      cuda_check(cudaMemcpyAsync(new_len->ptr, &host_lengths[1], 8, cudaMemcpyHostToDevice, stream), "new_len");
-    }
-    nvinfer1::Dims shape{};
-    shape.nbDims = 2;
-    shape.d[0] = 1;
-    shape.d[1] = n;
-    if (!context->setInputShape("input_ids", shape)) die("the engine does not take this many tokens");
-    bool ok = context->setTensorAddress("input_ids", ids->ptr) && context->setTensorAddress("seq_len", seq_ptr) &&
-              context->setTensorAddress("new_len", new_ptr) && context->setTensorAddress("logits", logits->ptr);
+    set_tokens_shape(context, "input_ids", 1, n);
+    bool ok = context->setTensorAddress("input_ids", ids->ptr) && lengths->bind(context, cache_len, n, stream) &&
+              context->setTensorAddress("logits", logits->ptr);
     for (int64_t l = 0; l < layers; ++l)
       for (int i = 0; i < PNMIX_NUM_STATE; ++i) {
         void* buffer = state[l * PNMIX_NUM_STATE + i]->ptr;  // in place: past and present are one buffer
@@ -337,35 +361,22 @@ int run_llm(const Args& args, const std::string& description) {
   pnmix_layout L{config, 1, sink.d[1], sink.d[3], capacity};
   if (const char* bad = pnmix::layout_error(L)) die(std::string("engine description: ") + bad);
   for (int64_t l = 0; l < r.layers; ++l)
-    for (int i = 0; i < PNMIX_NUM_STATE; ++i) {
-      const std::string name = layer_tensor("past", l, i);
-      const int64_t bytes = volume(engine->getTensorShape(name.c_str())) * pnmix::state_elem_bytes(i);
-      if (bytes != pnmix::state_bytes(L, i)) die("state tensor " + name + " does not match docs/FORMAT.md for this config");
-      r.state.emplace_back(new DeviceBuffer(static_cast<size_t>(bytes)));
-      cuda_check(cudaMemsetAsync(r.state.back()->ptr, 0, r.state.back()->bytes, r.stream), "cudaMemset");
-    }
+    for (int i = 0; i < PNMIX_NUM_STATE; ++i) r.state.push_back(zeroed_state(engine, layer_tensor("past", l, i), L, i, r.stream));
   const int profiles = engine->getNbOptimizationProfiles();
   r.max_tokens = engine->getProfileShape("input_ids", profiles - 1, nvinfer1::OptProfileSelector::kMAX).d[1];
   r.ids.reset(new DeviceBuffer(static_cast<size_t>(r.max_tokens * 8)));
   r.logits.reset(new DeviceBuffer(static_cast<size_t>(r.vocab * 4)));
-  r.seq_len.reset(new DeviceBuffer(8));
-  r.new_len.reset(new DeviceBuffer(8));
-  r.lengths_on_host = engine->isShapeInferenceIO("seq_len");
-
-  std::unique_ptr<nvinfer1::IExecutionContext> decode_ctx(engine->createExecutionContext());
-  std::unique_ptr<nvinfer1::IExecutionContext> prefill_ctx(engine->createExecutionContext());
-  if (!decode_ctx || !prefill_ctx) die("createExecutionContext failed");
-  if (profiles >= 2 && !prefill_ctx->setOptimizationProfileAsync(1, r.stream)) die("no prefill profile");
-  if (!decode_ctx->setOptimizationProfileAsync(0, r.stream)) die("no decode profile");
+  r.lengths.reset(new Lengths(engine));
+  const ProfileContexts contexts = profile_contexts(engine, r.stream);
   cuda_check(cudaStreamSynchronize(r.stream), "setup");
 
   auto began = std::chrono::steady_clock::now();
-  std::vector<int64_t> generated{r.step(prefill_ctx.get(), ids.data(), prompt, 0)};
+  std::vector<int64_t> generated{r.step(contexts.prefill.get(), ids.data(), prompt, 0)};
   const double prefill_ms = elapsed_ms(began);
   began = std::chrono::steady_clock::now();
   while (static_cast<int64_t>(generated.size()) < args.max_new_tokens) {
     const int64_t position = prompt + static_cast<int64_t>(generated.size()) - 1;
-    generated.push_back(r.step(decode_ctx.get(), &generated.back(), 1, position));
+    generated.push_back(r.step(contexts.decode.get(), &generated.back(), 1, position));
   }
   const double decode_ms = elapsed_ms(began);
   if (args.max_new_tokens == 0) generated.clear();  // the prefill ran; nothing asked for
@@ -427,41 +438,29 @@ int main(int argc, char** argv) {
   r.max_tokens = engine->getProfileShape("tokens", profiles - 1, nvinfer1::OptProfileSelector::kMAX).d[1];
   pnmix_layout L{config, r.batch, sink.d[1], sink.d[3], capacity};
   if (const char* bad = pnmix::layout_error(L)) die(std::string("engine description: ") + bad);
-  for (int i = 0; i < PNMIX_NUM_STATE; ++i) {
-    const int64_t bytes = volume(engine->getTensorShape(pnmix::state_name(i))) * pnmix::state_elem_bytes(i);
-    if (bytes != pnmix::state_bytes(L, i))
-      die(std::string("state tensor ") + pnmix::state_name(i) + " does not match docs/FORMAT.md for this config");
-    r.state.emplace_back(new DeviceBuffer(static_cast<size_t>(bytes)));
-    cuda_check(cudaMemsetAsync(r.state.back()->ptr, 0, r.state.back()->bytes, r.stream), "cudaMemset");
-  }
+  for (int i = 0; i < PNMIX_NUM_STATE; ++i) r.state.push_back(zeroed_state(engine, pnmix::state_name(i), L, i, r.stream));
   r.tokens.reset(new DeviceBuffer(static_cast<size_t>(r.batch * r.max_tokens * 8)));
   r.attention.reset(new DeviceBuffer(static_cast<size_t>(r.batch * r.q_heads * r.max_tokens * r.head_dim * 4)));
   r.output.reset(new DeviceBuffer(static_cast<size_t>(r.batch * r.max_tokens * r.d_model * 4)));
-  r.seq_len.reset(new DeviceBuffer(8));
-  r.new_len.reset(new DeviceBuffer(8));
-  r.lengths_on_host = engine->isShapeInferenceIO("seq_len");
+  r.lengths.reset(new Lengths(engine));
 
   // 3. One execution context per profile: 0 decode (n = 1), 1 prefill and evaluation.
-  std::unique_ptr<nvinfer1::IExecutionContext> decode_ctx(engine->createExecutionContext());
-  std::unique_ptr<nvinfer1::IExecutionContext> prefill_ctx(engine->createExecutionContext());
-  if (!decode_ctx || !prefill_ctx) die("createExecutionContext failed");
-  if (profiles >= 2 && !prefill_ctx->setOptimizationProfileAsync(1, r.stream)) die("no prefill profile");
-  if (!decode_ctx->setOptimizationProfileAsync(0, r.stream)) die("no decode profile");
+  const ProfileContexts contexts = profile_contexts(engine, r.stream);
 
   // 4. The protocol: prefill, decode steps (the online outputs), final evaluation.
   std::vector<float> attention;
-  const double prefill_ms = r.run(prefill_ctx.get(), host_tokens, 0, args.prefill, 0, args.prefill, nullptr);
+  const double prefill_ms = r.run(contexts.prefill.get(), host_tokens, 0, args.prefill, 0, args.prefill, nullptr);
   const std::vector<uint8_t> mask_after_prefill = r.download(PNMIX_PAIR_MASK);
   std::vector<double> decode_ms;
   std::vector<std::vector<float>> online;
   for (int64_t t = args.prefill; t < total; ++t) {
-    decode_ms.push_back(r.run(decode_ctx.get(), host_tokens, t, 1, t, 1, &attention));
+    decode_ms.push_back(r.run(contexts.decode.get(), host_tokens, t, 1, t, 1, &attention));
     online.push_back(attention);
   }
   double max_delta = 0.0;
   int64_t calls = 1 + args.decode;
   if (args.decode > 0) {
-    r.run(prefill_ctx.get(), host_tokens, args.prefill, args.decode, total, 0, &attention);  // [B, Hq, decode, D]
+    r.run(contexts.prefill.get(), host_tokens, args.prefill, args.decode, total, 0, &attention);  // [B, Hq, decode, D]
     ++calls;
     for (int64_t t = 0; t < args.decode; ++t)
       for (int64_t bh = 0; bh < r.batch * r.q_heads; ++bh)

@@ -42,6 +42,23 @@ def length_tensor(engine, name: str, value: int, device: torch.device) -> torch.
     return torch.tensor(value, dtype=torch.int64, device="cpu" if on_host else device)
 
 
+def run_bound(context, stream: "torch.cuda.Stream", device: torch.device, bound: Dict[str, torch.Tensor],
+              tokens: str, source: str) -> None:
+    """One engine call: the token input's shape set, every tensor of ``bound`` bound by address (a
+    state input and its present output share one buffer: in place), run on ``stream``, waited for.
+    ``source`` says what the engine should have been built from, for the binding error."""
+    shape = tuple(bound[tokens].shape)
+    if not context.set_input_shape(tokens, shape):
+        raise PnMixError(f"the engine does not take {tokens} of shape {shape}")
+    for name, tensor in bound.items():
+        if not context.set_tensor_address(name, tensor.data_ptr()):
+            raise PnMixError(f"the engine has no I/O tensor '{name}'; was it built from {source}?")
+    stream.wait_stream(torch.cuda.current_stream(device))
+    if not context.execute_async_v3(stream.cuda_stream):
+        raise PnMixError("TensorRT failed to run the engine (see the log above)")
+    stream.synchronize()
+
+
 def deserialize(trt, plan: Path, plugins: Path):
     """(logger, runtime, engine) of a plan, the plugins loaded first (the registry must know the creators)."""
     load_plugins(trt, plugins)
@@ -142,15 +159,7 @@ class TrtBackend(Backend):
         for name in STATE_NAMES:  # in place: present_<name> is <name>'s own buffer
             buffers[name] = self.cache[name]
             buffers[f"present_{name}"] = self.cache[name]
-        if not context.set_input_shape("tokens", tuple(buffers["tokens"].shape)):
-            raise PnMixError(f"the engine does not take tokens of shape {tuple(buffers['tokens'].shape)}")
-        for name, tensor in buffers.items():
-            if not context.set_tensor_address(name, tensor.data_ptr()):
-                raise PnMixError(f"the engine has no I/O tensor '{name}'; was it built from a pnmix export?")
-        self.stream.wait_stream(torch.cuda.current_stream(self.torch_device))
-        if not context.execute_async_v3(self.stream.cuda_stream):
-            raise PnMixError("TensorRT failed to run the engine (see the log above)")
-        self.stream.synchronize()
+        run_bound(context, self.stream, self.torch_device, buffers, "tokens", "a pnmix export")
         if write:
             if self.seq_len == 0 and new_len > 0:
                 self.saliency_computations += 1  # the append plugin computes the pair mask now

@@ -42,8 +42,9 @@ SIDECAR_FORMAT = "pnmix-engine-1"
 # each checked for its type when present (hand-written or older descriptions may lack them).
 SIDECAR_NOTES = {"tensorrt_version": str, "onnx": str, "plugins": str, "precision": str, "refittable": bool}
 SIDECAR_PROFILES = ("decode", "prefill", "max_prefill")
+SIDECAR_REQUIRED = ("config", "capacity", "batch", "seed", "profiles")
 # An LLM engine's sidecar (kind "llm") also names the model, its layers and vocabulary.
-SIDECAR_LLM_FIELDS = {"kind": str, "model": str, "layers": int, "vocab_size": int}
+SIDECAR_LLM_FIELDS = ("kind", "model", "layers", "vocab_size")
 
 
 # ---------------------------------------------------------------------------------------
@@ -357,12 +358,11 @@ def _check_sidecar(data: Dict[str, Any]) -> None:
     from ...model import HEAD_DIM, KV_HEADS, SEED_RANGE
 
     llm = data.get("kind") == "llm"
-    known = {"format", "config", "capacity", "batch", "seed", "profiles", *SIDECAR_NOTES,
-             *(SIDECAR_LLM_FIELDS if llm else ())}
+    known = {"format", *SIDECAR_REQUIRED, *SIDECAR_NOTES, *(SIDECAR_LLM_FIELDS if llm else ())}
     unknown = sorted(set(data) - known)
     if unknown:
         raise PnMixError(f"unknown field '{unknown[0]}'")
-    missing = [name for name in ("config", "capacity", "batch", "seed", "profiles") if name not in data]
+    missing = [name for name in SIDECAR_REQUIRED + (SIDECAR_LLM_FIELDS if llm else ()) if name not in data]
     if missing:
         raise PnMixError(f"field '{missing[0]}' is missing (rebuild the engine with `pnmix build-engine`)")
     config = PnMixConfig.from_mapping(data["config"])
@@ -373,16 +373,11 @@ def _check_sidecar(data: Dict[str, Any]) -> None:
         _need_int(data, name, 1)
     _need_int(data, "seed", *SEED_RANGE)
     if llm:  # the layout's heads are the model's (its ONNX file has them); checked when the file is read
-        for name in SIDECAR_LLM_FIELDS:
-            if name not in data:
-                raise PnMixError(f"field '{name}' is missing (rebuild the engine with `pnmix build-engine`)")
-        if not isinstance(data["model"], str):
-            raise PnMixError(f"field 'model' must be a str, got {data['model']!r}")
         _need_int(data, "layers", 1)
         _need_int(data, "vocab_size", 1)
     else:
         CacheLayout(config, data["batch"], KV_HEADS, HEAD_DIM, data["capacity"])  # the layout's own limits
-    for name, kind in SIDECAR_NOTES.items():
+    for name, kind in {**SIDECAR_NOTES, "model": str}.items():
         if name in data and not isinstance(data[name], kind):
             raise PnMixError(f"field '{name}' must be a {kind.__name__}, got {data[name]!r}")
     profiles = data["profiles"]

@@ -1,5 +1,5 @@
 """A TensorRT engine of an LLM file, for `pnmix verify --engine PLAN --plugins LIB --model MODEL`
-(pnmix.export.llm_verify.verify_engine_llm_command).
+(pnmix.export.llm_verify.verify_llm_command).
 
 ``EngineLlmSession`` has the interface of pnmix.export.generate.LlmSession (ONNX Runtime), so
 pnmix.export.llm_verify checks the engine exactly as it checks the file: the same token ids through
@@ -24,9 +24,10 @@ import torch
 
 from ...config import PnMixConfig
 from ...errors import PnMixError
-from ...export.torch_ops import graph_state_dtype
+from ...export.llama import state_input_name, state_output_name
+from ...export.torch_ops import empty_graph_state
 from ...format import STATE_NAMES
-from .backend import deserialize, execution_context, length_tensor
+from .backend import deserialize, execution_context, length_tensor, run_bound
 from .engine import DECODE_PROFILE, PREFILL_PROFILE, check_plugin_path, import_tensorrt, read_sidecar, require_gpu
 
 
@@ -35,7 +36,6 @@ class EngineLlmSession:
     runtime_name = "TensorRT"
 
     def __init__(self, plan: Path, plugins: Optional[Path]):
-        from ...export.llama import state_input_name
         from ...export.llm_file import read_llm_info
 
         plan = Path(plan)
@@ -63,26 +63,23 @@ class EngineLlmSession:
         self.stream = torch.cuda.Stream(self.device)
         self.contexts = {p: execution_context(self.engine, p, self.stream) for p in (DECODE_PROFILE, PREFILL_PROFILE)}
         self.max_prefill = int(described["profiles"]["max_prefill"])
-        shapes = self.info.layout.state_shapes()
-        self.names = [(layer, name) for layer in range(self.info.layers) for name in STATE_NAMES]
-        self.buffers: Dict[str, torch.Tensor] = {
-            state_input_name(layer, name): torch.zeros(shapes[name], dtype=graph_state_dtype(name), device=self.device)
-            for layer, name in self.names}
+        self.layers = [dict(zip(STATE_NAMES, (t.to(self.device) for t in empty_graph_state(self.info.layout))))
+                       for _ in range(self.info.layers)]  # per layer: state name -> device buffer
         self.seq_len = 0
 
     @property
     def state(self) -> Dict[str, np.ndarray]:
         """A host copy of every layer's state, named as the file's inputs."""
-        return {name: t.cpu().numpy() for name, t in self.buffers.items()}
+        return {state_input_name(layer, name): array for layer in range(self.info.layers)
+                for name, array in self.layer_state(layer).items()}
 
     def layer_state(self, layer: int) -> Dict[str, np.ndarray]:
-        return {name: self.buffers[f"past.{layer}.{name}"].cpu().numpy() for name in STATE_NAMES}
+        return {name: t.cpu().numpy() for name, t in self.layers[layer].items()}
 
     def step(self, ids: List[int]) -> np.ndarray:
         """Append the tokens ids; fp32 logits [vocab] of the last one (as LlmSession.step)."""
         n = len(ids)
-        if self.seq_len + n > self.info.max_seq_len:
-            raise PnMixError(f"cache capacity exceeded: {self.seq_len} + {n} tokens > {self.info.max_seq_len}")
+        self.info.check_room(self.seq_len, n)
         if n > self.max_prefill:
             raise PnMixError(f"{n} tokens in one call, the engine's prefill profile takes at most {self.max_prefill}")
         context = self.contexts[DECODE_PROFILE if n == 1 else PREFILL_PROFILE]
@@ -92,17 +89,10 @@ class EngineLlmSession:
             "new_len": length_tensor(self.engine, "new_len", n, self.device),
             "logits": torch.empty(1, 1, self.info.vocab_size, dtype=torch.float32, device=self.device),
         }
-        for layer, name in self.names:  # in place: present is past's own buffer
-            bound[f"present.{layer}.{name}"] = bound[f"past.{layer}.{name}"] = self.buffers[f"past.{layer}.{name}"]
-        if not context.set_input_shape("input_ids", (1, n)):
-            raise PnMixError(f"the engine does not take {n} tokens in one call")
-        for name, tensor in bound.items():
-            if not context.set_tensor_address(name, tensor.data_ptr()):
-                raise PnMixError(f"the engine has no I/O tensor '{name}'; was it built from `pnmix export --model`?")
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        if not context.execute_async_v3(self.stream.cuda_stream):
-            raise PnMixError("TensorRT failed to run the engine (see the log above)")
-        self.stream.synchronize()
+        for layer, tensors in enumerate(self.layers):  # in place: present is past's own buffer
+            for name, tensor in tensors.items():
+                bound[state_input_name(layer, name)] = bound[state_output_name(layer, name)] = tensor
+        run_bound(context, self.stream, self.device, bound, "input_ids", "`pnmix export --model`")
         self.seq_len += n
         return bound["logits"][0, -1].cpu().numpy()
 
