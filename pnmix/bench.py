@@ -37,6 +37,14 @@ The limit, measured in the same run: ``machine.stream_gbs`` is the machine's str
 bandwidth with the same thread count (stream_read_gbs: the best of a few sums over a buffer far
 larger than the caches); each result's ``gbs`` (= ``gbps``) is its bytes read per second and
 ``bandwidth_fraction`` the share of that limit it reaches.
+
+The other limit, in the same run: ``machine.matmul_gflops`` is the machine's fp32 arithmetic rate
+with the same thread count (matmul_gflops: the best of a few fp32 matrix products small enough to
+stay in the caches). Decode attention does the same arithmetic however the cache is stored, one
+multiply-add per query head, cached token and channel for the scores and one for the values
+(decode_flops); each result's ``gflops`` is that over its time and ``compute_fraction`` its share
+of the fp32 rate. A kernel far below both limits is bound by neither; one near the compute limit
+cannot reach the bandwidth limit by better memory access.
 """
 
 from __future__ import annotations
@@ -70,6 +78,8 @@ ALL_IMPLS = CPU_IMPLS + GPU_IMPLS
 GPU_FACTORIES = {"triton": "pnmix.backends.triton_ops:bench_factory", "cuda": "pnmix.backends.cuda_ops:bench_factory"}
 STREAM_BYTES = 256 << 20  # the bandwidth probe's buffer: 8x a 32 MiB L3, so it streams from memory
 STREAM_RUNS = 5
+MATMUL_SIZE = 512  # the compute probe's square fp32 matrices: 3 MiB, cache-resident on the CPUs we target
+MATMUL_RUNS = 20
 REFERENCE_AUTO_LIMIT = 32768  # the reference dequantizes everything per step: too slow above this
 FILL_CHUNK = 8192  # tokens per append call while filling the cache (bounds the reference's scratch)
 
@@ -311,6 +321,34 @@ def stream_read_gbs(threads: int, nbytes: int = STREAM_BYTES, runs: int = STREAM
     return nbytes / best / 1e9
 
 
+def matmul_gflops(threads: int, n: int = MATMUL_SIZE, runs: int = MATMUL_RUNS) -> float:
+    """The machine's fp32 arithmetic rate in GFLOP/s with `threads` threads: the best of `runs`
+    products of two n x n fp32 matrices (2 n^3 flops each; torch's BLAS runs them near the
+    multiply-add units' peak)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(0)
+        a, b = (torch.randn(n, n, generator=g) for _ in range(2))
+        out = torch.empty(n, n)
+        torch.mm(a, b, out=out)  # warm up the BLAS threads and the caches
+        best = math.inf
+        for _ in range(runs):
+            start = time.perf_counter()
+            torch.mm(a, b, out=out)
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(before)
+    return 2 * n ** 3 / best / 1e9
+
+
+def decode_flops(batch: int, q_heads: int, context: int, head_dim: int) -> int:
+    """The arithmetic of one decode-attention step, however the cache is stored: per query head,
+    cached token and channel one multiply-add for the score and one for the value sum (2 flops
+    each); the softmax and the dequantization are left out, so this is a lower bound."""
+    return 4 * batch * q_heads * context * head_dim
+
+
 def machine_info(device: str, threads: int) -> dict:
     info = {
         "platform": platform.platform(),
@@ -339,6 +377,8 @@ def run_decode_bench(context: int, batch: int = defaults.DECODE_BATCH, q_heads: 
         torch.set_num_threads(threads)
     used_threads = threads or torch.get_num_threads()
     stream_gbs = stream_read_gbs(used_threads)
+    fp32_gflops = matmul_gflops(used_threads)
+    flops = decode_flops(batch, q_heads, context, head_dim)
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(batch, kv_heads, context, head_dim, generator=g).half()
     v = torch.randn(batch, kv_heads, context, head_dim, generator=g).half()
@@ -359,11 +399,13 @@ def run_decode_bench(context: int, batch: int = defaults.DECODE_BATCH, q_heads: 
             continue
         outputs[name] = out.float().cpu()
         gbs = read / median / 1e9
+        gflops = flops / median / 1e9
         results.append({
             "impl": name, "device": where, "median_ms": median * 1e3, "cpu_ms": cpu * 1e3, "repeats": runs,
             "cache_bytes": cache_bytes, "bytes_read": read, "gbps": gbs, "gbs": gbs,
             # the host's read bandwidth is the limit of the CPU implementations only
             "bandwidth_fraction": gbs / stream_gbs if where == "cpu" else None,
+            "flops": flops, "gflops": gflops, "compute_fraction": gflops / fp32_gflops if where == "cpu" else None,
         })
     _add_ratios(results)
     _add_agreement(results, outputs, ctx)
@@ -375,7 +417,7 @@ def run_decode_bench(context: int, batch: int = defaults.DECODE_BATCH, q_heads: 
         "core_isa": ctx.get("core_isa"),
         "results": results,
         "skipped": [{"impl": name, "reason": reason} for name, reason in skipped.items()],
-        "machine": {**machine_info(device, used_threads), "stream_gbs": stream_gbs},
+        "machine": {**machine_info(device, used_threads), "stream_gbs": stream_gbs, "matmul_gflops": fp32_gflops},
     }
 
 
@@ -429,16 +471,17 @@ def print_report(report: dict) -> None:
                          f"{report['q_heads']} q heads / {report['kv_heads']} kv heads, head dim "
                          f"{report['head_dim']}, {report['machine']['threads']} threads"))
     for column in ("impl", "device", "median ms", "cpu ms", "cache MB", "read MB/step", "GB/s", "of stream",
-                   "vs sdpa_fp32", "vs best dense", "max|diff|"):
+                   "of fp32 peak", "vs sdpa_fp32", "vs best dense", "max|diff|"):
         table.add_column(column, justify="left" if column in ("impl", "device") else "right")
     for r in report["results"]:
         def ratio(key: str) -> str:
             return f"{r[key]:.2f}x" if key in r else "-"
 
         diff = r.get("max_abs_diff_vs_reference", r.get("max_abs_diff_vs_sdpa_fp32"))
-        share = r.get("bandwidth_fraction")
+        share, compute = r.get("bandwidth_fraction"), r.get("compute_fraction")
         table.add_row(r["impl"], r["device"], f"{r['median_ms']:.3f}", f"{r['cpu_ms']:.3f}", f"{r['cache_bytes'] / mb:.2f}",
                       f"{r['bytes_read'] / mb:.2f}", f"{r['gbs']:.2f}", "-" if share is None else f"{share:.0%}",
+                      "-" if compute is None else f"{compute:.0%}",
                       ratio("speedup_vs_sdpa_fp32"), ratio("speedup_vs_best_dense"),
                       "-" if diff is None else f"{diff:.2g}")
     console = Console()
@@ -451,6 +494,11 @@ def print_report(report: dict) -> None:
                       f"for the others")
     console.print(f"streaming read bandwidth of this machine, {report['machine']['threads']} threads: "
                   f"{report['machine']['stream_gbs']:.1f} GB/s (\"of stream\" is each row's share of it)")
+    if "matmul_gflops" in report["machine"]:
+        floor_ms = report["results"][0]["flops"] / report["machine"]["matmul_gflops"] / 1e6 if report["results"] else 0.0
+        console.print(f"fp32 arithmetic rate (matrix product), same threads: {report['machine']['matmul_gflops']:.1f} "
+                      f"GFLOP/s; a step's multiply-adds alone take {floor_ms:.2f} ms at that rate "
+                      f"(\"of fp32 peak\" is each row's share of it)")
     ratio = report["dense_fp16_bytes"] / report["packed_bytes"]
     console.print(f"packed cache {report['packed_bytes'] / mb:.2f} MB vs fp16 {report['dense_fp16_bytes'] / mb:.2f} MB "
                   f"({ratio:.2f}x smaller); core kernel: {report['core_isa'] or '-'}; "

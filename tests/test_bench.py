@@ -62,6 +62,25 @@ def test_bandwidth_fraction_is_each_rate_over_the_measured_stream_bandwidth(repo
     assert fastest["speedup_vs_best_dense"] == pytest.approx(best["median_ms"] / fastest["median_ms"])
 
 
+def test_compute_fraction_is_each_rate_over_the_measured_fp32_rate(report):
+    peak = report["machine"]["matmul_gflops"]
+    assert peak > 0
+    flops = 4 * 2 * 4 * 300 * 32  # a multiply-add for the score and one for the value: [B, Hq, N, D]
+    for r in report["results"]:
+        assert r["flops"] == flops  # the same arithmetic, however the cache is stored
+        assert r["gflops"] == pytest.approx(flops / r["median_ms"] / 1e6)
+        assert r["compute_fraction"] == pytest.approx(r["gflops"] / peak)
+
+
+def test_the_fp32_rate_probe_restores_torch_threads():
+    import torch
+
+    before = torch.get_num_threads()
+    rate = bench.matmul_gflops(1, n=64, runs=2)
+    assert rate > 0 and torch.get_num_threads() == before
+    assert bench.decode_flops(1, 32, 32768, 128) == 4 * 32 * 32768 * 128
+
+
 def test_onnx_runtime_peers_are_timed_or_skipped_with_their_cache_bytes(report):
     by_name = {r["impl"]: r for r in report["results"]}
     skipped = {s["impl"]: s["reason"] for s in report["skipped"]}
@@ -133,7 +152,9 @@ def test_cli_prints_and_writes_json(tmp_path):
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert {"impl", "median_ms", "cache_bytes", "bytes_read", "gbps", "gbs", "bandwidth_fraction"} <= set(data["results"][0])
-    assert data["machine"]["stream_gbs"] > 0
+    assert data["machine"]["stream_gbs"] > 0 and data["machine"]["matmul_gflops"] > 0
+    assert {"flops", "gflops", "compute_fraction"} <= set(data["results"][0])
+    assert "fp32 arithmetic rate" in result.output and "of fp32 peak" in result.output
     assert "machine" in data and "pnmix bench decode" in result.output
     bad = CliRunner().invoke(app, ["bench", "decode", "--context", "0"])
     assert bad.exit_code == 2 and "--context" in bad.output
