@@ -20,7 +20,8 @@ from typer.testing import CliRunner  # noqa: E402
 from pnmix.cli import app  # noqa: E402
 from pnmix.hf import register  # noqa: E402
 from pnmix.hf._deps import quanto_unavailable_reason  # noqa: E402
-from pnmix.hf.speed import GENERATE_CACHES, filled_cache, new_cache, prefill_kv, random_llama  # noqa: E402
+from pnmix.hf.speed import (  # noqa: E402
+    GENERATE_CACHES, ROUND_TOKENS, filled_cache, new_cache, prefill_kv, random_llama, time_decodes)
 
 CONTEXTS = (40, 300)  # 300: past the sink and the residual, so the pnmix cache holds groups
 
@@ -46,6 +47,9 @@ def test_report_has_every_cache_at_every_context(model_dir, tmp_path):
     for r in report["results"]:
         assert {"cache", "context", "tokens_per_s", "cache_bytes", "peak_bytes"} <= set(r)
         assert r["tokens_per_s"] > 0 and r["peak_bytes"] >= r["cache_bytes"] > 0
+        # tokens/s from the median step; the total time holds the 3 timed steps
+        assert r["tokens_per_s"] == pytest.approx(1 / r["median_step_seconds"])
+        assert r["mean_tokens_per_s"] == pytest.approx(3 / r["decode_seconds"])
     # the bytes are the caches' own: full-precision fp32 K/V of 300 + 4 tokens (prefill, the untimed
     # first step, 3 timed steps) in 2 layers of 2 KV heads x 32 channels, and the packed state's
     dynamic = rows[("dynamic", 300)]
@@ -53,6 +57,22 @@ def test_report_has_every_cache_at_every_context(model_dir, tmp_path):
     assert rows[("pnmix", 300)]["cache_bytes"] < dynamic["cache_bytes"] / 4
     assert rows[("pnmix", 300)]["backend"] in ("core", "torch")
     assert report["prefill_tokens"] == max(CONTEXTS)
+
+
+def test_the_caches_are_timed_in_interleaved_rounds():
+    """A burst of load on a shared machine must hit every cache alike: each round advances every
+    cache by ROUND_TOKENS steps, the last round by what is left."""
+    log = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def step(self, count):
+            log.append((self.name, count))
+
+    time_decodes([Recorder("dynamic"), Recorder("pnmix")], 2 * ROUND_TOKENS + 3)
+    assert log == [("dynamic", ROUND_TOKENS), ("pnmix", ROUND_TOKENS)] * 2 + [("dynamic", 3), ("pnmix", 3)]
 
 
 @pytest.mark.parametrize("kind", GENERATE_CACHES)

@@ -13,6 +13,7 @@ the model's attention.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 import warnings
 from pathlib import Path
@@ -158,24 +159,48 @@ def layer_copy_bytes(kind: str, model, tokens: int, batch: int) -> int:
     return one if kind == "dynamic" else 2 * one
 
 
-@torch.no_grad()
-def time_decode(model, cache, attn: str, first: torch.Tensor, new_tokens: int, kind: str) -> Dict[str, Any]:
-    """Greedy decode of new_tokens after one untimed step; tokens/s and the cache's memory."""
-    model.set_attn_implementation(attn)
-    out = model(input_ids=first, cache=cache, use_cache=True)  # warm-up: first call of each layer path
-    peak = 0
-    elapsed = 0.0
-    for _ in range(new_tokens):
-        token = out.logits[:, -1:].argmax(-1)
-        start = time.perf_counter()
-        out = model(input_ids=token, cache=out.cache, use_cache=True)
-        elapsed += time.perf_counter() - start
-        peak = max(peak, cache_memory(kind, out.cache)[1])
-    held, _ = cache_memory(kind, out.cache)
-    tokens = out.cache.get_seq_length()
-    return {"tokens_per_s": first.shape[0] * new_tokens / elapsed, "decode_seconds": elapsed,
-            "cache_bytes": held, "peak_bytes": peak + layer_copy_bytes(kind, model, tokens, first.shape[0]),
-            "backend": getattr(out.cache, "ops_name", None)}
+ROUND_TOKENS = 8  # decode steps per cache in each round of the interleaved timing
+
+
+class DecodeRun:
+    """One cache's greedy decode, advanced a few steps at a time (step), timing each step."""
+
+    def __init__(self, model, kind: str, cache, attn: str, first: torch.Tensor):
+        self.model, self.kind, self.attn = model, kind, attn
+        self.batch = first.shape[0]
+        model.set_attn_implementation(attn)
+        with torch.no_grad():  # untimed warm-up: the first call of each layer path
+            self.out = model(input_ids=first, cache=cache, use_cache=True)
+        self.step_seconds: List[float] = []
+        self.peak = 0
+
+    @torch.no_grad()
+    def step(self, count: int) -> None:
+        self.model.set_attn_implementation(self.attn)
+        for _ in range(count):
+            token = self.out.logits[:, -1:].argmax(-1)
+            start = time.perf_counter()
+            self.out = self.model(input_ids=token, cache=self.out.cache, use_cache=True)
+            self.step_seconds.append(time.perf_counter() - start)
+            self.peak = max(self.peak, cache_memory(self.kind, self.out.cache)[1])
+
+    def result(self) -> Dict[str, Any]:
+        held, _ = cache_memory(self.kind, self.out.cache)
+        tokens = self.out.cache.get_seq_length()
+        median = statistics.median(self.step_seconds)
+        return {"tokens_per_s": self.batch / median, "median_step_seconds": median,
+                "decode_seconds": sum(self.step_seconds),
+                "mean_tokens_per_s": self.batch * len(self.step_seconds) / sum(self.step_seconds),
+                "cache_bytes": held, "peak_bytes": self.peak + layer_copy_bytes(self.kind, self.model, tokens, self.batch),
+                "backend": getattr(self.out.cache, "ops_name", None)}
+
+
+def time_decodes(runs: List[DecodeRun], new_tokens: int) -> None:
+    """new_tokens steps of every run, in rounds of ROUND_TOKENS steps per cache: a burst of load
+    on a shared machine then falls on every cache alike instead of on the one timed at that moment."""
+    for done in range(0, new_tokens, ROUND_TOKENS):
+        for run in runs:
+            run.step(min(ROUND_TOKENS, new_tokens - done))
 
 
 def run_generate_bench(model, contexts: List[int], new_tokens: int = 64, caches: tuple = GENERATE_CACHES,
@@ -203,13 +228,12 @@ def run_generate_bench(model, contexts: List[int], new_tokens: int = 64, caches:
         skipped["quanto4"] = quanto_unavailable_reason()
     results = []
     for context in contexts:
-        for kind in caches:
-            if kind in skipped:
-                continue
-            cache, attn = filled_cache(kind, model, keys, values, context)
-            row = time_decode(model, cache, attn, ids[:, context:context + 1], new_tokens, kind)
-            results.append({"cache": kind, "context": context, **row})
-            del cache
+        first = ids[:, context:context + 1]
+        runs = [DecodeRun(model, kind, *filled_cache(kind, model, keys, values, context), first)
+                for kind in caches if kind not in skipped]
+        time_decodes(runs, new_tokens)
+        results += [{"cache": run.kind, "context": context, **run.result()} for run in runs]
+        del runs
     _add_generate_ratios(results)
     return {"model": getattr(model.config, "_name_or_path", "") or model.config.model_type,
             "layers": model.config.num_hidden_layers, "dtype": str(model.dtype).replace("torch.", ""),
