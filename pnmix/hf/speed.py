@@ -272,7 +272,8 @@ def print_generate_report(report: Dict[str, Any]) -> None:
     console.print(table)
     console.print(f"one prefill of {report['prefill_tokens']} tokens ({report['prefill_seconds']:.1f} s) served every "
                   "row; peak = the cache's tensors as allocated plus the full-precision K/V copy one layer's "
-                  "update makes per step", highlight=False)
+                  "update makes per step; tokens/s from the median step, the caches taking turns in rounds of "
+                  f"{ROUND_TOKENS} steps", highlight=False)
     if report["past_trained_positions"]:
         console.print(f"note: the longest run decodes past the model's {report['trained_positions']} trained "
                       "positions (RoPE extends; the tokens change, the speed does not)", highlight=False)
