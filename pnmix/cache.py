@@ -17,6 +17,8 @@ pnmix.backends.default_ops's business, so this module never imports a backend.
 
 from __future__ import annotations
 
+import math
+
 from abc import ABC, abstractmethod
 from typing import Dict, Optional
 
@@ -51,16 +53,19 @@ def fp16_kv(k: torch.Tensor, v: torch.Tensor, device: torch.device, first_token:
     """K/V as the cache stores them (fp16 on device), refused when not finite there: Inf would
     saturate to a finite step and quantize silently, NaN codes are backend-defined
     (docs/HARDENING.md section 3)."""
-    out = []
-    for name, t in (("keys", k), ("values", v)):
-        t16 = t.to(device=device, dtype=torch.float16)
+    k16, v16 = (t.to(device=device, dtype=torch.float16) for t in (k, v))
+    # One reduction per tensor, in fp32: finite fp16 values cannot overflow it, and a NaN or an
+    # Inf anywhere makes the sum NaN or infinite (a decode step pays this per layer, so it is kept
+    # to two small ops; the slow check below only names the culprit).
+    if math.isfinite(float(k16.sum(dtype=torch.float32)) + float(v16.sum(dtype=torch.float32))):
+        return k16, v16
+    for name, t16 in (("keys", k16), ("values", v16)):
         if not bool(torch.isfinite(t16).all()):
             raise PnMixError(
                 f"new {name} hold non-finite values (NaN or Inf, or beyond fp16's +-65504) at "
-                f"tokens {first_token}..{first_token + t.shape[2] - 1}; the cache takes finite fp16 K/V only"
+                f"tokens {first_token}..{first_token + t16.shape[2] - 1}; the cache takes finite fp16 K/V only"
             )
-        out.append(t16)
-    return out[0], out[1]
+    return k16, v16
 
 
 def check_new_kv(layout: CacheLayout, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -190,6 +190,21 @@ def test_non_finite_kv_is_rejected_and_the_cache_is_untouched(kind, when):
     assert all(torch.equal(before[name], t) for name, t in cache.state.items())
 
 
+@pytest.mark.parametrize("where, name", [("keys", "keys"), ("values", "values"), ("both", "keys")])
+def test_non_finite_kv_names_the_tensor_even_when_the_infinities_cancel(where, name):
+    """The check sums each tensor once: +Inf in the keys and -Inf in the values, or both in one
+    tensor, still make a non-finite total, and the error names the tensor that holds them."""
+    cache = PackedKVCache(SMALL, 2, 8, 64)
+    k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+    if where in ("keys", "both"):
+        k[0, 0, 1, 2], k[0, 1, 2, 3] = float("inf"), float("-inf")  # cancel within the keys
+    if where in ("values", "both"):
+        v[0, 1, 0, 0] = float("-inf")
+    with pytest.raises(PnMixError, match=f"new {name} hold non-finite values"):
+        cache.append(k, v)
+    assert cache.seq_len == 0
+
+
 # ---------------------------------------------------------------------------------------
 # Lengths at the edges
 # ---------------------------------------------------------------------------------------
