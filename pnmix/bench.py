@@ -220,13 +220,15 @@ def time_step(fn: Callable[[], torch.Tensor], device: str, repeats: int) -> tupl
 MAX_THREADS = 1024  # more is a typo; the core's and torch's thread counts are C ints
 MAX_Q_HEADS = 1 << 16
 MAX_REPEATS = 1_000_000
+MAX_ROUNDS = 100
 
 
-def _check_args(context, batch, q_heads, kv_heads, head_dim, threads, repeats, config: PnMixConfig) -> CacheLayout:
+def _check_args(context, batch, q_heads, kv_heads, head_dim, threads, repeats, config: PnMixConfig,
+                rounds: int = 1) -> CacheLayout:
     """Every option's range, in one place, before anything is allocated; returns the layout."""
     limits = [("context", context, MAX_SEQ_LEN), ("batch", batch, MAX_BATCH), ("q-heads", q_heads, MAX_Q_HEADS),
               ("kv-heads", kv_heads, MAX_KV_HEADS), ("head-dim", head_dim, MAX_HEAD_DIM),
-              ("repeats", repeats, MAX_REPEATS)]
+              ("repeats", repeats, MAX_REPEATS), ("rounds", rounds, MAX_ROUNDS)]
     if threads is not None:
         limits.append(("threads", threads, MAX_THREADS))
     for name, value, most in limits:
@@ -367,10 +369,16 @@ def machine_info(device: str, threads: int) -> dict:
 def run_decode_bench(context: int, batch: int = defaults.DECODE_BATCH, q_heads: int = defaults.DECODE_Q_HEADS,
                      kv_heads: int = defaults.DECODE_KV_HEADS, head_dim: int = defaults.DECODE_HEAD_DIM,
                      threads: Optional[int] = None, device: str = "cpu", impls: Optional[str] = None,
-                     repeats: int = defaults.BENCH_REPEATS, config: Optional[PnMixConfig] = None, seed: int = 0) -> dict:
-    """The benchmark as data: {"results": [...], "skipped": [...], "machine": {...}, ...}."""
+                     repeats: int = defaults.BENCH_REPEATS, config: Optional[PnMixConfig] = None, seed: int = 0,
+                     rounds: int = 1) -> dict:
+    """The benchmark as data: {"results": [...], "skipped": [...], "machine": {...}, ...}.
+
+    rounds > 1 times every implementation again in each round, in the reverse order of the round
+    before (each set up anew, so memory stays one implementation at a time): on a shared machine a
+    burst of load then falls on several implementations instead of on one. Each result's
+    ``median_ms`` is the median of its rounds' medians, and ``round_medians_ms`` lists them."""
     config = config or PnMixConfig()
-    layout = _check_args(context, batch, q_heads, kv_heads, head_dim, threads, repeats, config)
+    layout = _check_args(context, batch, q_heads, kv_heads, head_dim, threads, repeats, config, rounds)
     names, skipped = _choose_impls(impls, device, context)
     _check_memory(layout, q_heads, names, device)
     if threads is not None:
@@ -388,20 +396,38 @@ def run_decode_bench(context: int, batch: int = defaults.DECODE_BATCH, q_heads: 
     fill_seconds = time.perf_counter() - start
     ctx = dict(layout=layout, context=context, device=device, k=k, v=v, q=q, state=state, threads=threads)
 
-    results = []
+    timed: Dict[str, dict] = {}
     outputs: Dict[str, torch.Tensor] = {}
+    for round_index in range(rounds):
+        for name in names if round_index % 2 == 0 else names[::-1]:
+            if name in skipped:
+                continue
+            try:
+                fn, where, cache_bytes, read = make_impl(name, ctx)
+                median, cpu, out, runs = time_step(fn, where, repeats)
+            except Skip as why:
+                if name not in timed:  # a later round's failure keeps the rounds already timed
+                    skipped[name] = str(why)
+                continue
+            outputs.setdefault(name, out.float().cpu())
+            entry = timed.setdefault(name, {"where": where, "cache_bytes": cache_bytes, "read": read, "runs": 0,
+                                            "medians": [], "cpu": []})
+            entry["medians"].append(median)
+            entry["cpu"].append(cpu)
+            entry["runs"] += runs
+            del fn
+    results = []
     for name in names:
-        try:
-            fn, where, cache_bytes, read = make_impl(name, ctx)
-            median, cpu, out, runs = time_step(fn, where, repeats)
-        except Skip as why:
-            skipped[name] = str(why)
+        if name not in timed:
             continue
-        outputs[name] = out.float().cpu()
+        entry = timed[name]
+        where, cache_bytes, read, runs = entry["where"], entry["cache_bytes"], entry["read"], entry["runs"]
+        median, cpu = statistics.median(entry["medians"]), statistics.median(entry["cpu"])
         gbs = read / median / 1e9
         gflops = flops / median / 1e9
         results.append({
             "impl": name, "device": where, "median_ms": median * 1e3, "cpu_ms": cpu * 1e3, "repeats": runs,
+            "round_medians_ms": [m * 1e3 for m in entry["medians"]],
             "cache_bytes": cache_bytes, "bytes_read": read, "gbps": gbs, "gbs": gbs,
             # the host's read bandwidth is the limit of the CPU implementations only
             "bandwidth_fraction": gbs / stream_gbs if where == "cpu" else None,
@@ -411,6 +437,7 @@ def run_decode_bench(context: int, batch: int = defaults.DECODE_BATCH, q_heads: 
     _add_agreement(results, outputs, ctx)
     return {
         "context": context, "batch": batch, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim,
+        "rounds": rounds,
         "config": config.to_dict(), "fill_seconds": fill_seconds,
         "dense_fp16_bytes": dense_bytes(layout, context, 2),
         "packed_bytes": layout.persistent_bytes(context)["persistent_cache_bytes"],
@@ -494,6 +521,11 @@ def print_report(report: dict) -> None:
                       f"for the others")
     console.print(f"streaming read bandwidth of this machine, {report['machine']['threads']} threads: "
                   f"{report['machine']['stream_gbs']:.1f} GB/s (\"of stream\" is each row's share of it)")
+    if report.get("rounds", 1) > 1:
+        spread = ", ".join(f"{r['impl']} {min(r['round_medians_ms']):.2f}-{max(r['round_medians_ms']):.2f}"
+                           for r in report["results"])
+        console.print(f"median ms is the median of {report['rounds']} rounds (alternating order); round medians, "
+                      f"fastest-slowest: {spread}", highlight=False)
     if "matmul_gflops" in report["machine"]:
         floor_ms = report["results"][0]["flops"] / report["machine"]["matmul_gflops"] / 1e6 if report["results"] else 0.0
         console.print(f"fp32 arithmetic rate (matrix product), same threads: {report['machine']['matmul_gflops']:.1f} "
@@ -510,7 +542,7 @@ def print_report(report: dict) -> None:
 
 def decode_command(context: int, batch: int, q_heads: int, kv_heads: int, head_dim: int, threads: Optional[int],
                    device: str, impls: Optional[str], repeats: int, config: Optional[Path],
-                   json_path: Optional[Path]) -> int:
+                   json_path: Optional[Path], rounds: int = 1) -> int:
     """The CLI's `pnmix bench decode` (pnmix/cli.py): print the table, write JSON, return 0."""
     from .io import check_output_path, write_json_atomic
     from .manifest import load_manifest
@@ -519,7 +551,7 @@ def decode_command(context: int, batch: int, q_heads: int, kv_heads: int, head_d
         check_output_path(json_path)  # before the run, not after it
     cfg = run_config(load_manifest(None), config).config
     report = run_decode_bench(context, batch, q_heads, kv_heads, head_dim, threads, _resolve_device(device),
-                              impls, repeats, cfg)
+                              impls, repeats, cfg, rounds=rounds)
     print_report(report)
     if json_path is not None:
         write_json_atomic(json_path, report)

@@ -322,11 +322,13 @@ def bench_decode(
     repeats: int = typer.Option(defaults.BENCH_REPEATS, help="Timed repetitions per implementation."),
     config: Optional[Path] = typer.Option(None, help="JSON of config fields laid over the manifest's."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
+    rounds: int = typer.Option(1, help="Time every implementation this many times, in alternating order "
+                                       "(a shared machine's load bursts then fall on several); the median round counts."),
 ) -> None:
     """Median time per decode-attention step, cache bytes and bytes read, per implementation."""
     _call("pnmix.bench", "decode_command", context=context, batch=batch, q_heads=q_heads,
           kv_heads=kv_heads, head_dim=head_dim, threads=threads, device=device, impls=impls,
-          repeats=repeats, config=config, json_path=json_path)
+          repeats=repeats, config=config, json_path=json_path, rounds=rounds)
 
 
 @bench_app.command("generate")

@@ -81,6 +81,18 @@ def test_the_fp32_rate_probe_restores_torch_threads():
     assert bench.decode_flops(1, 32, 32768, 128) == 4 * 32 * 32768 * 128
 
 
+def test_rounds_time_every_implementation_again_and_report_the_median_round():
+    report = bench.run_decode_bench(96, q_heads=4, kv_heads=2, head_dim=32, threads=1, device="cpu", repeats=2,
+                                    config=SMALL, impls="sdpa_fp32,sdpa_bf16,reference", rounds=3)
+    assert report["rounds"] == 3
+    for r in report["results"]:
+        rounds = r["round_medians_ms"]
+        assert len(rounds) == 3 and r["repeats"] == 3 * 2
+        assert r["median_ms"] == pytest.approx(sorted(rounds)[1])
+    with pytest.raises(PnMixError, match="--rounds must be 1..100"):
+        bench.run_decode_bench(96, q_heads=4, kv_heads=2, head_dim=32, device="cpu", config=SMALL, rounds=0)
+
+
 def test_onnx_runtime_peers_are_timed_or_skipped_with_their_cache_bytes(report):
     by_name = {r["impl"]: r for r in report["results"]}
     skipped = {s["impl"]: s["reason"] for s in report["skipped"]}
@@ -148,13 +160,15 @@ def test_cli_prints_and_writes_json(tmp_path):
     out = tmp_path / "b.json"
     result = CliRunner().invoke(app, ["bench", "decode", "--context", "96", "--q-heads", "4", "--kv-heads", "2",
                                       "--head-dim", "32", "--repeats", "2", "--device", "cpu", "--impls",
-                                      "sdpa_fp32,core" if CORE else "sdpa_fp32", "--json", str(out)])
+                                      "sdpa_fp32,core" if CORE else "sdpa_fp32", "--rounds", "2",
+                                      "--json", str(out)])
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert {"impl", "median_ms", "cache_bytes", "bytes_read", "gbps", "gbs", "bandwidth_fraction"} <= set(data["results"][0])
     assert data["machine"]["stream_gbs"] > 0 and data["machine"]["matmul_gflops"] > 0
     assert {"flops", "gflops", "compute_fraction"} <= set(data["results"][0])
     assert "fp32 arithmetic rate" in result.output and "of fp32 peak" in result.output
+    assert data["rounds"] == 2 and "median of 2 rounds" in result.output
     assert "machine" in data and "pnmix bench decode" in result.output
     bad = CliRunner().invoke(app, ["bench", "decode", "--context", "0"])
     assert bad.exit_code == 2 and "--context" in bad.output
