@@ -304,44 +304,39 @@ def _choose_impls(impls: Optional[str], device: str, context: int) -> tuple[List
     return names, skipped
 
 
+def _best_seconds(threads: int, fn: Callable[[], object], runs: int) -> float:
+    """The fastest of `runs` timed calls of fn with torch on `threads` threads, after one untimed
+    call (pages touched, thread pool awake); torch's thread count is restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        fn()
+        best = math.inf
+        for _ in range(runs):
+            start = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(before)
+    return best
+
+
 def stream_read_gbs(threads: int, nbytes: int = STREAM_BYTES, runs: int = STREAM_RUNS) -> float:
     """The machine's streaming read bandwidth in GB/s with `threads` threads: the best of `runs`
     sums of an fp32 buffer far larger than the caches (torch's vectorized, multi-threaded
     reduction reads each byte once and does one add per element, so memory is the limit)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        buffer = torch.ones(nbytes // 4)
-        buffer.sum()  # touch every page once before timing
-        best = math.inf
-        for _ in range(runs):
-            start = time.perf_counter()
-            buffer.sum()
-            best = min(best, time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(before)
-    return nbytes / best / 1e9
+    buffer = torch.ones(nbytes // 4)
+    return nbytes / _best_seconds(threads, buffer.sum, runs) / 1e9
 
 
 def matmul_gflops(threads: int, n: int = MATMUL_SIZE, runs: int = MATMUL_RUNS) -> float:
     """The machine's fp32 arithmetic rate in GFLOP/s with `threads` threads: the best of `runs`
     products of two n x n fp32 matrices (2 n^3 flops each; torch's BLAS runs them near the
     multiply-add units' peak)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        g = torch.Generator().manual_seed(0)
-        a, b = (torch.randn(n, n, generator=g) for _ in range(2))
-        out = torch.empty(n, n)
-        torch.mm(a, b, out=out)  # warm up the BLAS threads and the caches
-        best = math.inf
-        for _ in range(runs):
-            start = time.perf_counter()
-            torch.mm(a, b, out=out)
-            best = min(best, time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(before)
-    return 2 * n ** 3 / best / 1e9
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(n, n, generator=g) for _ in range(2))
+    out = torch.empty(n, n)
+    return 2 * n ** 3 / _best_seconds(threads, lambda: torch.mm(a, b, out=out), runs) / 1e9
 
 
 def decode_flops(batch: int, q_heads: int, context: int, head_dim: int) -> int:
@@ -415,7 +410,7 @@ def run_decode_bench(context: int, batch: int = defaults.DECODE_BATCH, q_heads: 
             entry["medians"].append(median)
             entry["cpu"].append(cpu)
             entry["runs"] += runs
-            del fn
+            del fn  # before the next implementation is set up: one in memory at a time
     results = []
     for name in names:
         if name not in timed:
@@ -521,16 +516,15 @@ def print_report(report: dict) -> None:
                       f"for the others")
     console.print(f"streaming read bandwidth of this machine, {report['machine']['threads']} threads: "
                   f"{report['machine']['stream_gbs']:.1f} GB/s (\"of stream\" is each row's share of it)")
-    if report.get("rounds", 1) > 1:
+    if report["rounds"] > 1:
         spread = ", ".join(f"{r['impl']} {min(r['round_medians_ms']):.2f}-{max(r['round_medians_ms']):.2f}"
                            for r in report["results"])
         console.print(f"median ms is the median of {report['rounds']} rounds (alternating order); round medians, "
                       f"fastest-slowest: {spread}", highlight=False)
-    if "matmul_gflops" in report["machine"]:
-        floor_ms = report["results"][0]["flops"] / report["machine"]["matmul_gflops"] / 1e6 if report["results"] else 0.0
-        console.print(f"fp32 arithmetic rate (matrix product), same threads: {report['machine']['matmul_gflops']:.1f} "
-                      f"GFLOP/s; a step's multiply-adds alone take {floor_ms:.2f} ms at that rate "
-                      f"(\"of fp32 peak\" is each row's share of it)")
+    rate = report["machine"]["matmul_gflops"]
+    floor_ms = decode_flops(report["batch"], report["q_heads"], report["context"], report["head_dim"]) / rate / 1e6
+    console.print(f"fp32 arithmetic rate (matrix product), same threads: {rate:.1f} GFLOP/s; a step's "
+                  f"multiply-adds alone take {floor_ms:.2f} ms at that rate (\"of fp32 peak\" is each row's share of it)")
     ratio = report["dense_fp16_bytes"] / report["packed_bytes"]
     console.print(f"packed cache {report['packed_bytes'] / mb:.2f} MB vs fp16 {report['dense_fp16_bytes'] / mb:.2f} MB "
                   f"({ratio:.2f}x smaller); core kernel: {report['core_isa'] or '-'}; "
