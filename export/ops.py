@@ -8,7 +8,7 @@ same names, ONNX Runtime inlines the local functions shipped in the file.
 The attributes are the config fields of ``pnmix.config.CONFIG_FIELDS`` under their own names
 plus ``plugin_version`` and ``plugin_namespace``: ``op_attributes()`` is the one table.
 ``export/pnmix_ops.json`` is its generated copy for readers outside Python (``python3 -m
-pnmix.export.ops --write``; a test keeps it current, and tests/test_trt_fields.py checks it
+pnmix.export.ops --write``; a test keeps it current, and tests/backends/test_trt_fields.py checks it
 against the plugins' own field list). The plugins compile the names, version and input positions
 from plugins/include/pnmix/generated.h (pnmix/codegen.py writes it from this module).
 

@@ -203,7 +203,7 @@ def verify(
         if (onnx is None) == (engine is None) or backend:
             raise PnMixError("--model verifies an exported LLM file or its engine: give it with --onnx FILE or "
                              "--engine PLAN, not both")
-        _call("pnmix.export.llm_verify", "verify_llm_command", onnx_path=onnx, model=model, text=text,
+        _call("pnmix.verify.llm", "verify_llm_command", onnx_path=onnx, model=model, text=text,
               prompt_tokens=prompt_tokens, decode_tokens=decode_tokens, json_path=json_path, engine=engine,
               plugins=plugins)
     chosen = [name for name, given in (("backend", backend), ("onnx", onnx), ("engine", engine)) if given]
@@ -304,7 +304,7 @@ def generate(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the text and figures here."),
 ) -> None:
     """Greedy generation from an exported LLM file in ONNX Runtime with the packed cache."""
-    _call("pnmix.export.generate", "generate_command", model=model, tokenizer=tokenizer, prompt=prompt,
+    _call("pnmix.generate", "generate_command", model=model, tokenizer=tokenizer, prompt=prompt,
           prompt_file=prompt_file, max_new_tokens=max_new_tokens, json_path=json_path, threads=threads)
 
 
@@ -326,7 +326,7 @@ def bench_decode(
                                        "(a shared machine's load bursts then fall on several); the median round counts."),
 ) -> None:
     """Median time per decode-attention step, cache bytes and bytes read, per implementation."""
-    _call("pnmix.bench", "decode_command", context=context, batch=batch, q_heads=q_heads,
+    _call("pnmix.bench.decode", "decode_command", context=context, batch=batch, q_heads=q_heads,
           kv_heads=kv_heads, head_dim=head_dim, threads=threads, device=device, impls=impls,
           repeats=repeats, config=config, json_path=json_path, rounds=rounds)
 
@@ -341,7 +341,7 @@ def bench_generate(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
 ) -> None:
     """Decode tokens/s and cache memory: DynamicCache, QuantizedCache (quanto 4-bit), PnMixCache."""
-    _call("pnmix.hf.speed", "generate_command", model=model, contexts=contexts, new_tokens=new_tokens,
+    _call("pnmix.bench.generate", "generate_command", model=model, contexts=contexts, new_tokens=new_tokens,
           threads=threads, json_path=json_path)
 
 
@@ -358,13 +358,13 @@ def bench_onnx(
     onnx: Optional[Path] = typer.Option(None, help="With an LLM: its file from `pnmix export --model` (default: export one)."),
 ) -> None:
     """Export time, file size and ONNX Runtime CPU time per decode step vs the PyTorch reference."""
-    from .export.llm_bench import names_an_llm
+    from .bench.onnx_llm import names_an_llm
 
     if model is not None and names_an_llm(model):
-        _call("pnmix.export.llm_bench", "bench_llm_command", model=model, contexts=contexts, repeats=repeats,
+        _call("pnmix.bench.onnx_llm", "bench_llm_command", model=model, contexts=contexts, repeats=repeats,
               onnx_path=onnx, peer=peer, json_path=json_path)
     model = Path(model) if model is not None else None
-    _call("pnmix.export.bench", "bench_command", max_seq_len=max_seq_len, context=context,
+    _call("pnmix.bench.onnx", "bench_command", max_seq_len=max_seq_len, context=context,
           repeats=repeats, model=model, json_path=json_path)
 
 

@@ -1,5 +1,5 @@
 """The commands' defaults, in one place for the CLI's options and the functions behind them
-(pnmix.export.exporter, pnmix.export.bench, pnmix.bench). Plain numbers, no imports: the CLI
+(pnmix.export.exporter, pnmix.bench.onnx, pnmix.bench). Plain numbers, no imports: the CLI
 reads them without importing the heavy modules."""
 
 EXPORT_MAX_SEQ_LEN = 4096  # cache capacity of an exported model, in tokens

@@ -226,7 +226,7 @@ def check_tensorrt(has_gpu: bool) -> Component:
     c = Component("TensorRT", True, f"tensorrt {trt.__version__}, plugins {path}")
 
     def check():
-        from .trt import load_plugins
+        from .backends.tensorrt.engine import load_plugins
 
         load_plugins(trt, path)
         return True, ("the plugin library loads and registers its creators; a full check is "

@@ -22,28 +22,28 @@ CORE = ("config", "errors", "format", "quant", "reference", "cache", "model", "m
         "machine", "defaults", "dataset", "testing", "_native")
 LAYERS = {
     "pnmix": 0, **{f"pnmix.{name}": 0 for name in CORE},
-    "pnmix.export": 1, "pnmix.export.bench": 3, "pnmix.export.llm": 3, "pnmix.export.generate": 3,
-    "pnmix.export.llm_verify": 3, "pnmix.export.llm_bench": 3, "pnmix.export.tiny": 3, "pnmix.codegen": 1,
+    "pnmix.export": 1, "pnmix.export.llm": 3, "pnmix.codegen": 1,
     "pnmix.backends": 2,
-    "pnmix.protocol": 3, "pnmix.verify": 3, "pnmix.doctor": 3, "pnmix.bench": 3, "pnmix.ort_peers": 3, "pnmix.hf": 3,
+    "pnmix.protocol": 3, "pnmix.verify": 3, "pnmix.doctor": 3, "pnmix.bench": 3, "pnmix.generate": 3, "pnmix.hf": 3,
     "pnmix.hf.models": 0, "pnmix.hf._deps": 0,  # where a model comes from: no cache, no backend
     "pnmix.cli": 4, "pnmix.__main__": 4,
 }
 LAYER_NAMES = ("core", "the ONNX file (export)", "backends", "harness", "CLI")
 
 
-def package_modules():
-    """{module name: file} for every module of pnmix and export/."""
+def package_modules(root=REPO):
+    """{module name: file} for every module of pnmix and export/ under root."""
     found = {}
     for folder, prefix in SOURCES:
-        for path in sorted((REPO / folder).rglob("*.py")):
-            parts = [p for p in path.relative_to(REPO / folder).with_suffix("").parts if p != "__init__"]
+        for path in sorted((root / folder).rglob("*.py")):
+            parts = [p for p in path.relative_to(root / folder).with_suffix("").parts if p != "__init__"]
             found[".".join([prefix, *parts])] = path
     return found
 
 
-def imported_modules(name, path, modules):
-    """The package modules `name` imports anywhere in its file (module level or inside functions)."""
+def imported_names(name, path, modules):
+    """Every module name `name` imports anywhere in its file (module level or inside functions), the
+    relative ones made absolute; `from pkg import sub` names the submodule when there is one."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
@@ -55,10 +55,24 @@ def imported_modules(name, path, modules):
                 base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
             else:
                 base = node.module
-            for alias in node.names:  # `from pkg import sub` names the submodule when there is one
+            for alias in node.names:
                 sub = f"{base}.{alias.name}"
                 out.add(sub if sub in modules else base)
-    return {m for m in out if m in modules and m != name}
+    return out
+
+
+def imported_modules(name, path, modules):
+    """The package modules `name` imports."""
+    return {m for m in imported_names(name, path, modules) if m in modules and m != name}
+
+
+def unresolved_imports(root=REPO):
+    """`module imports missing` for every import of a pnmix.* module that no file under root is:
+    a module moved without its importers following fails here, not on a user's machine."""
+    modules = package_modules(root)
+    return sorted(f"{name} imports {target}" for name, path in modules.items()
+                  for target in imported_names(name, path, modules)
+                  if (target == "pnmix" or target.startswith("pnmix.")) and target not in modules)
 
 
 def import_graph():
@@ -111,6 +125,26 @@ def test_the_graph_is_read_from_the_sources():
 def test_the_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_every_pnmix_import_resolves():
+    missing = unresolved_imports()
+    assert not missing, "imports of modules that do not exist: " + "; ".join(missing)
+
+
+def test_a_broken_import_is_found(tmp_path):
+    """A copy of the layout with one import of a module that moved: the check names it."""
+    (tmp_path / "pnmix" / "backends").mkdir(parents=True)
+    (tmp_path / "export").mkdir()
+    (tmp_path / "pnmix" / "__init__.py").write_text("")
+    (tmp_path / "export" / "__init__.py").write_text("from pnmix import config\n")
+    (tmp_path / "pnmix" / "config.py").write_text("")
+    (tmp_path / "pnmix" / "backends" / "__init__.py").write_text("from ..config import X\n")
+    (tmp_path / "pnmix" / "doctor.py").write_text(
+        "def check():\n    from .trt import load_plugins\n    from .backends import make_ops\n")
+    assert unresolved_imports(tmp_path) == ["pnmix.doctor imports pnmix.trt"]
+    (tmp_path / "pnmix" / "doctor.py").write_text("import pnmix.export.gone\n")
+    assert unresolved_imports(tmp_path) == ["pnmix.doctor imports pnmix.export.gone"]
 
 
 def test_no_import_cycle():

@@ -30,7 +30,7 @@ def main() -> None:
 
     from pnmix import _native
     from pnmix.backends.core_ops import CoreOps
-    from pnmix.bench import fill_cache
+    from pnmix.bench.decode import fill_cache
     from pnmix.config import PnMixConfig
     from pnmix.format import CacheLayout
 

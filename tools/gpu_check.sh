@@ -5,8 +5,8 @@
 # downloads nothing. Steps:
 #   1. environment          nvidia-smi, torch, nvcc
 #   2. build                libpnmix_core + libpnmix_cuda (cmake, sm_80 + sm_90)
-#   3. CUDA kernel tests    tests/test_cuda.py (bytes vs reference, attention within 1e-3)
-#   4. Triton tests         tests/test_triton.py
+#   3. CUDA kernel tests    tests/backends/test_cuda.py (bytes vs reference, attention within 1e-3)
+#   4. Triton tests         tests/backends/test_triton.py
 #   5. verify               pnmix verify --backend triton|cuda --device cuda
 #   6. decode benchmark     pnmix bench decode, 4K / 32K / 128K tokens, batch 1 and 8,
 #                           32 query heads, 8 KV heads, head_dim 128: time per step, bytes read,
@@ -74,18 +74,18 @@ echo "build: $(( $(date +%s) - t0 )) s; libraries:"
 find "$BUILD" -name 'libpnmix_*.so' -printf '  %p\n'
 python3 -c "from pnmix.backends import cuda_ops; ok, where = cuda_ops.library_status(); print('libpnmix_cuda:', where); assert ok"
 
-banner "3/7 CUDA kernel tests (tests/test_cuda.py)"
-run test_cuda 300 python3 -m pytest -q -rs tests/test_cuda.py
+banner "3/7 CUDA kernel tests (tests/backends/test_cuda.py)"
+run test_cuda 300 python3 -m pytest -q -rs tests/backends/test_cuda.py
 if [ "${PNMIX_SANITIZE:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then
   run sanitize 300 compute-sanitizer --tool memcheck --error-exitcode 1 \
-    python3 -m pytest -q -x tests/test_cuda.py -k "odd_lengths or only_sink or bench_factory"
+    python3 -m pytest -q -x tests/backends/test_cuda.py -k "odd_lengths or only_sink or bench_factory"
 fi
 
-banner "4/7 Triton tests (tests/test_triton.py)"
-if [ -f tests/test_triton.py ]; then
-  run test_triton 300 python3 -m pytest -q -rs tests/test_triton.py
+banner "4/7 Triton tests (tests/backends/test_triton.py)"
+if [ -f tests/backends/test_triton.py ]; then
+  run test_triton 300 python3 -m pytest -q -rs tests/backends/test_triton.py
 else
-  echo "tests/test_triton.py not present: skipped"
+  echo "tests/backends/test_triton.py not present: skipped"
 fi
 
 banner "5/7 pnmix verify --backend triton|cuda --device cuda"
@@ -221,7 +221,7 @@ if [ "$TRT" = 1 ]; then
     PLUGINS="$BUILD/trt/libpnmix_trt_plugins.so"
     if [ -f "$PLUGINS" ]; then
       nm -D --defined-only "$PLUGINS" | grep -E ' (getCreators|setLoggerFinder)$' || true
-      run trt_tests 300 python3 -m pytest -q -rs tests/test_trt_fields.py tests/test_trt_build.py tests/test_trt_plugin_host.py
+      run trt_tests 300 python3 -m pytest -q -rs tests/backends/test_trt_fields.py tests/backends/test_trt_build.py tests/backends/test_trt_plugin_host.py
       run trt_export 300 python3 -m pnmix export -o "$WORK/pnmix.onnx" --max-seq-len 4096
       run trt_build_engine 900 python3 -m pnmix build-engine "$WORK/pnmix.onnx" --plugins "$PLUGINS" \
         -o "$WORK/pnmix.plan" --max-seq-len 512
@@ -241,7 +241,7 @@ if [ "$TRT" = 1 ]; then
       fi
       # The multi-layer LLM file (pnmix export --model) on a tiny random Llama made here: the
       # rewrite for the parser, the two profiles on input_ids, the sidecar.
-      run trt_llm_export 600 bash -c "python3 -c 'from pathlib import Path; from pnmix.export.tiny import make_tiny_model; make_tiny_model(Path(\"$WORK/tiny\"))' && python3 -m pnmix export --model '$WORK/tiny' -o '$WORK/llm.onnx' --max-seq-len 512"
+      run trt_llm_export 600 bash -c "python3 -c 'from pathlib import Path; from pnmix.testing import make_tiny_model; make_tiny_model(Path(\"$WORK/tiny\"))' && python3 -m pnmix export --model '$WORK/tiny' -o '$WORK/llm.onnx' --max-seq-len 512"
       if [ -f "$WORK/llm.onnx" ]; then
         run trt_llm_build_engine 900 python3 -m pnmix build-engine "$WORK/llm.onnx" --plugins "$PLUGINS" \
           -o "$WORK/llm.plan" --max-seq-len 256

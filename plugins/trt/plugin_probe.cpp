@@ -1,5 +1,5 @@
 // plugins/trt/plugin_probe.cpp: drive libpnmix_trt_plugins the way TensorRT does, without TensorRT
-// and without a GPU (tests/test_trt_plugin_host.py runs it).
+// and without a GPU (tests/backends/test_trt_plugin_host.py runs it).
 //
 //   pnmix_trt_probe path/to/libpnmix_trt_plugins.so
 //

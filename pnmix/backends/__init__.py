@@ -2,7 +2,7 @@
 
 ``make_ops(name)`` builds a cache-ops backend, ``make_backend(name)`` any backend,
 ``default_ops(device)`` the best cache ops this machine has for a device. Each backend lives in
-one module (``cuda_ops``, ``core_ops``, ``triton_ops`` + ``triton_kernels``, ``onnx_backend``) or
+one module (``cuda_ops``, ``core_ops``, ``triton_ops`` + ``triton_kernels``, ``onnxruntime``) or
 one subpackage (``tensorrt``); ``native`` is the ctypes glue the two C ABIs share.
 """
 
@@ -59,7 +59,7 @@ def make_backend(name: str, config: PnMixConfig, seed: int, max_seq_len: int,
                  device: str = "cpu", **options: Any) -> Backend:
     """Build a backend. options: onnx -> model=PATH; engine -> plan=PATH, plugins=PATH."""
     if name == "onnx":
-        from .onnx_backend import OnnxBackend
+        from .onnxruntime.backend import OnnxBackend
 
         return OnnxBackend(config, seed, max_seq_len, device, **options)
     if name == "engine":

@@ -26,7 +26,7 @@ _C_TYPES = {float: ctypes.c_double, int: ctypes.c_int32, str: ctypes.c_int32}
 
 class CConfig(ctypes.Structure):
     """pnmix_config (params.h): CONFIG_FIELDS in order; pair_layout as its index in PAIR_LAYOUTS.
-    tests/test_core.py checks this mirror against the compiler's layout (pnmix_core_struct_offset)."""
+    tests/backends/test_core.py checks this mirror against the compiler's layout (pnmix_core_struct_offset)."""
 
     _fields_ = [(name, _C_TYPES[CONFIG_FIELD_TYPES[name]]) for name in CONFIG_FIELDS]
 

@@ -7,7 +7,7 @@ PnMixCache with the manifest's config and with pn-mix configs that reproduce oth
 Protocol. The prefill attends in full precision under every cache (SPEC section 2), so it is run
 ONCE per text with a DynamicCache, and each method's fresh cache is handed that prefill's K/V
 layer by layer through ``cache.update(k, v, layer_idx)``, exactly what the prefill forward call
-would have handed it (tests/test_eval.py checks the results are identical). Each method then runs
+would have handed it (tests/harness/test_eval.py checks the results are identical). Each method then runs
 only its decode steps, one token per forward call, PnMixCache under the ``pnmix`` attention:
 
 * task ``kl``: the text's first P tokens are the prefill, the next D are teacher-forced; step i's

@@ -1,7 +1,7 @@
 // pnmix/params.h: the method's configuration and a cache's shape, as plain C structs.
 //
 // The config struct is built from generated.h's field table (pnmix/config.py's CONFIG_FIELDS, in
-// the same order); tests/test_core.py compares its compiled layout (pnmix_core_struct_offset) with
+// the same order); tests/backends/test_core.py compares its compiled layout (pnmix_core_struct_offset) with
 // the ctypes mirror. The structs are plain C so the C ABI (pnmix_core.h), the CUDA kernels and the
 // TensorRT plugins all pass the same thing.
 #ifndef PNMIX_PARAMS_H

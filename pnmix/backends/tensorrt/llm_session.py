@@ -1,8 +1,8 @@
 """A TensorRT engine of an LLM file, for `pnmix verify --engine PLAN --plugins LIB --model MODEL`
-(pnmix.export.llm_verify.verify_llm_command).
+(pnmix.verify.llm.verify_llm_command).
 
-``EngineLlmSession`` has the interface of pnmix.export.generate.LlmSession (ONNX Runtime), so
-pnmix.export.llm_verify checks the engine exactly as it checks the file: the same token ids through
+``EngineLlmSession`` has the interface of pnmix.backends.onnxruntime.llm_session.LlmSession (ONNX Runtime), so
+pnmix.verify.llm checks the engine exactly as it checks the file: the same token ids through
 the engine and through PyTorch with PnMixCache, packed bytes of every layer, logits and greedy
 tokens after the prefill and each decode step. Every layer's packed state lives in torch CUDA
 tensors for the whole run; ``past.<l>.<name>`` and ``present.<l>.<name>`` are bound to the same

@@ -67,7 +67,7 @@ def trt_provider_options(plugin_lib: Path, fp16: bool = False, cache_dir: Option
 
 def trt_session(model_path: Path, plugin_lib: Path, fp16: bool = False, cache_dir: Optional[Path] = None):
     """An ONNX Runtime session on the TensorRT EP with the pn-mix plugins (CUDA, CPU fallback)."""
-    from pnmix.backends.onnx_backend import import_onnxruntime
+    from pnmix.backends.onnxruntime.backend import import_onnxruntime
 
     ort = import_onnxruntime()
 

@@ -1,0 +1,166 @@
+"""The exported ONNX file as a backend: the whole model step through ONNX Runtime on CPU.
+
+The file is checked first (pnmix.export.modelfile): its ops' config must be the run's, its
+capacity must hold the protocol. The state lives here as numpy arrays (codes and mask int8)
+and is fed back each step, as a runtime keeps it on device. The file's weights are those of
+its export seed; for another protocol seed the backend substitutes that seed's diagnostic
+weights through SessionOptions.add_initializer (same names, shapes and dtypes), so every seed
+runs the file's graph.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+import torch
+
+from pnmix.config import PnMixConfig
+from pnmix.errors import PnMixError, one_line
+from pnmix.format import STATE_DTYPES, STATE_NAMES, CacheLayout, checked_state
+from pnmix.memory import check_fits
+from pnmix.model import VOCAB
+from pnmix.export.torch_ops import graph_state_numpy_dtype
+from pnmix.backends.base import Backend
+
+
+# ONNX Runtime's log severity: errors only (3). Its warnings are ANSI-coloured lines on stderr that
+# would break the CLI's one-line errors; the errors themselves come back as exceptions, which pnmix
+# turns into one PnMixError line.
+ORT_LOG_SEVERITY = 3
+
+
+def import_onnxruntime():
+    """onnxruntime, its default logger quieted (sessions made anywhere, and their runs, log through it)."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        raise PnMixError("onnxruntime is not installed: pip install onnxruntime") from None
+    ort.set_default_logger_severity(ORT_LOG_SEVERITY)
+    return ort
+
+
+def session_bytes(layout: CacheLayout) -> int:
+    """Host bytes a session over this layout needs besides its weights: the state we keep, the
+    feeds and the present_* outputs (three copies), and the graph's dequantized fp32 K and V."""
+    dequantized = 2 * 4 * layout.batch * layout.kv_heads * layout.head_dim * layout.max_seq_len
+    return 3 * layout.state_bytes + dequantized
+
+
+def make_session(path, seed: Optional[int] = None, file_seed: Optional[int] = None, threads: Optional[int] = None):
+    """An ONNX Runtime CPU session; with seed != file_seed, that seed's weights replace the file's."""
+    ort = import_onnxruntime()
+    from pnmix.export.exporter import seed_weights
+
+    options = ort.SessionOptions()
+    options.log_severity_level = ORT_LOG_SEVERITY
+    if threads:
+        options.intra_op_num_threads = threads
+    keep = []
+    if seed is not None and seed != file_seed:
+        for name, array in seed_weights(seed).items():
+            value = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array))
+            keep.append(value)  # ONNX Runtime borrows the buffer: it must outlive the session
+            options.add_initializer(name, value)
+    try:
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # ONNX Runtime raises its own exception types
+        raise PnMixError(f"ONNX Runtime cannot load {path}: {one_line(exc)}") from None
+    session._pnmix_keep = keep  # type: ignore[attr-defined]
+    return session
+
+
+class OnnxBackend(Backend):
+    name = "onnx"
+
+    def __init__(self, config: PnMixConfig, seed: int, max_seq_len: int, device: str = "cpu",
+                 model=None, threads: Optional[int] = None):
+        super().__init__(config, seed, max_seq_len, device)
+        from pnmix.export.modelfile import config_differences, load_checked
+
+        if model is None:
+            raise PnMixError("the onnx backend needs an exported file: --onnx MODEL")
+        if device != "cpu":
+            raise PnMixError(f"the onnx backend runs ONNX Runtime on CPU; got --device {device}")
+        _, info = load_checked(model)
+        differ = config_differences(info.config, config)
+        if differ:
+            raise PnMixError(f"{info.path} was exported for another config ({'; '.join(differ)}); "
+                             "export it with the same --config")
+        if info.max_seq_len < max_seq_len:
+            raise PnMixError(f"cache capacity exceeded: {info.path} holds {info.max_seq_len} tokens "
+                             f"(export --max-seq-len), the protocol needs {max_seq_len}")
+        if info.batch != 1:
+            raise PnMixError(f"{info.path} has batch {info.batch}; the protocol runs batch 1 (export --batch 1)")
+        self.info = info
+        self.layout: CacheLayout = info.layout
+        # The file states its capacity: a small file can ask for terabytes of state.
+        check_fits(session_bytes(self.layout), f"{info.path}'s cache ({self.layout.describe()}) in ONNX Runtime",
+                   "export the model with a smaller --max-seq-len or --batch")
+        self.session = make_session(info.path, seed, info.seed, threads)
+        self._run_options = import_onnxruntime().RunOptions()
+        self._run_options.log_severity_level = ORT_LOG_SEVERITY
+        self._output_names = [o.name for o in self.session.get_outputs()]
+        self._state = {name: np.zeros(shape, dtype=graph_state_numpy_dtype(name))
+                       for name, shape in self.layout.state_shapes().items()}
+        self.seq_len = 0
+
+    # ---- the Backend interface --------------------------------------------------------------
+    def step(self, tokens: torch.Tensor, seq_len: int, write: bool) -> torch.Tensor:
+        n = self._check_tokens(tokens)
+        if seq_len != self.seq_len:
+            raise PnMixError(f"step at seq_len {seq_len}, but the cache holds {self.seq_len} tokens")
+        if write and seq_len + n > self.layout.max_seq_len:
+            raise PnMixError(f"cache capacity exceeded: {seq_len} + {n} tokens > max_seq_len {self.layout.max_seq_len}")
+        if not write and n > seq_len:
+            raise PnMixError(f"evaluation of {n} tokens, but the cache holds only {seq_len}")
+        outputs = self.run(tokens, seq_len, n if write else 0, self._state)
+        if write:
+            self._state = {name: outputs[f"present_{name}"] for name in STATE_NAMES}
+            self.seq_len = seq_len + n
+            if seq_len == 0:
+                self.saliency_computations += 1  # the graph computes the mask on the first append
+        return torch.from_numpy(outputs["attention"])
+
+    def state(self) -> Tuple[CacheLayout, Dict[str, torch.Tensor], int]:
+        tensors = {name: torch.from_numpy(array.copy()).view(STATE_DTYPES[name])
+                   for name, array in self._state.items()}
+        return self.layout, tensors, self.seq_len
+
+    # ---- direct use -------------------------------------------------------------------------
+    def run(self, tokens, seq_len: int, new_len: int, state: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+        """One graph call with checked feeds; returns every output by name."""
+        feeds = {
+            "tokens": np.ascontiguousarray(np.asarray(tokens, dtype=np.int64)),
+            "seq_len": np.array(seq_len, dtype=np.int64),
+            "new_len": np.array(new_len, dtype=np.int64),
+        }
+        arrays = {name: np.asarray(state[name]) for name in STATE_NAMES if state.get(name) is not None}
+        self.layout.check_state(arrays)
+        for name in STATE_NAMES:
+            feeds[name] = np.ascontiguousarray(arrays[name]).view(graph_state_numpy_dtype(name))
+        try:
+            values = self.session.run(None, feeds, self._run_options)
+        except Exception as exc:  # ONNX Runtime's own exception types (a failed allocation, a bad kernel)
+            raise PnMixError(f"ONNX Runtime failed running {self.info.path}: {one_line(exc)}") from None
+        return dict(zip(self._output_names, values))
+
+    def load_state(self, tensors: Dict[str, torch.Tensor], seq_len: int) -> None:
+        """Start from a given packed state (uint8 or int8 codes) holding seq_len tokens, checked
+        as PackedKVCache.import_state checks it (format.checked_state)."""
+        checked, seq_len = checked_state(self.layout, tensors, seq_len, "loaded cache state")
+        self._state = {name: t.cpu().contiguous().numpy().view(graph_state_numpy_dtype(name)).copy()
+                       for name, t in checked.items()}
+        self.seq_len = seq_len
+
+    def _check_tokens(self, tokens: torch.Tensor) -> int:
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
+            raise PnMixError(f"tokens must be a 2-D tensor [batch, n], got {getattr(tokens, 'shape', type(tokens))}")
+        if tokens.shape[0] != self.layout.batch or tokens.shape[1] < 1:
+            raise PnMixError(f"tokens have shape {list(tokens.shape)}, the model takes [{self.layout.batch}, n >= 1]")
+        if tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+            raise PnMixError(f"tokens must be integers, got {tokens.dtype}")
+        if tokens.min().item() < 0 or tokens.max().item() >= VOCAB:
+            raise PnMixError(f"tokens must be bytes 0..{VOCAB - 1}")
+        return int(tokens.shape[1])
+

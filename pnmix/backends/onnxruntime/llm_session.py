@@ -1,0 +1,132 @@
+"""An exported LLM file in ONNX Runtime with its packed state (``LlmSession``) and greedy decoding
+over it (``greedy``), for `pnmix generate`, `pnmix verify --onnx --model` and `pnmix bench onnx --model`.
+
+The prompt is ONE prefill call (all its tokens, new_len = n), then one call per new token; each
+call's present state is fed back as the next call's past state (numpy arrays here, as a runtime
+keeps them on its device). The CUDA execution provider is used when ONNX Runtime has it, else the
+CPU one.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from pnmix.errors import PnMixError, one_line
+from pnmix.format import STATE_NAMES
+
+from pnmix.export.llama import state_input_name, state_output_name
+from pnmix.export.torch_ops import graph_state_numpy_dtype
+from pnmix.export.llm_file import LlmFileInfo, check_tokenizer, read_llm_info
+
+
+def providers() -> List[str]:
+    import onnxruntime as ort
+
+    have = ort.get_available_providers()
+    return ["CUDAExecutionProvider", "CPUExecutionProvider"] if "CUDAExecutionProvider" in have \
+        else ["CPUExecutionProvider"]
+
+
+class LlmSession:
+    """One exported LLM file in ONNX Runtime, with its packed state between calls."""
+
+    backend = "onnx-llm"  # the name verify reports
+    runtime_name = "ONNX Runtime"
+
+    def __init__(self, path: Path, threads: Optional[int] = None, info: Optional[LlmFileInfo] = None):
+        try:
+            import onnxruntime as ort
+        except ImportError:
+            raise PnMixError("onnxruntime is not installed: pip install onnxruntime") from None
+        self.info = info or read_llm_info(path)
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        if threads:
+            options.intra_op_num_threads = threads
+        try:
+            self.session = ort.InferenceSession(str(path), options, providers=providers())
+        except Exception as exc:  # ONNX Runtime raises its own exception types
+            raise PnMixError(f"ONNX Runtime cannot load {path}: {one_line(exc)}") from None
+        self.provider = self.session.get_providers()[0]
+        self.output_names = [o.name for o in self.session.get_outputs()]
+        self.reset()
+
+    def reset(self) -> None:
+        shapes = self.info.layout.state_shapes()
+        self.state: Dict[str, np.ndarray] = {
+            state_input_name(i, name): np.zeros(shapes[name], dtype=graph_state_numpy_dtype(name))
+            for i in range(self.info.layers) for name in STATE_NAMES}
+        self.seq_len = 0
+
+    def step(self, ids: List[int]) -> np.ndarray:
+        """Append the tokens ids (prefill: the prompt; decode: one token); fp32 logits [vocab] of the last."""
+        n = len(ids)
+        self.info.check_room(self.seq_len, n)
+        feeds = {"input_ids": np.asarray([ids], dtype=np.int64), "seq_len": np.array(self.seq_len, dtype=np.int64),
+                 "new_len": np.array(n, dtype=np.int64), **self.state}
+        values = dict(zip(self.output_names, self.session.run(None, feeds)))
+        for i in range(self.info.layers):
+            for name in STATE_NAMES:
+                self.state[state_input_name(i, name)] = values[state_output_name(i, name)]
+        self.seq_len += n
+        return values["logits"][0, -1]
+
+    def layer_state(self, layer: int) -> Dict[str, np.ndarray]:
+        return {name: self.state[state_input_name(layer, name)] for name in STATE_NAMES}
+
+    def cache_bytes(self) -> Dict[str, int]:
+        """Used bytes of the packed state over all layers (SPEC section 2), and as allocated."""
+        import torch
+
+        from pnmix.format import STATE_DTYPES
+
+        layout = self.info.layout
+        used = 0
+        for layer in range(self.info.layers):
+            tensors = {name: torch.from_numpy(a).view(STATE_DTYPES[name]) for name, a in self.layer_state(layer).items()}
+            used += layout.persistent_bytes(self.seq_len, tensors)["persistent_cache_bytes"]
+        allocated = sum(a.nbytes for a in self.state.values())
+        return {"persistent_cache_bytes": used, "allocated_bytes": allocated}
+
+
+@dataclass
+class Generation:
+    prompt_ids: List[int]
+    new_ids: List[int] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    first_logits: Optional[np.ndarray] = None
+
+
+def greedy(session: LlmSession, prompt_ids: List[int], max_new_tokens: int, eos: Optional[int] = None,
+           on_step=None) -> Generation:
+    """Greedy decoding: one prefill call, then one call per token (stops at eos)."""
+    if not prompt_ids:
+        raise PnMixError("the prompt has no tokens")
+    if len(prompt_ids) + max_new_tokens > session.info.max_seq_len + 1:
+        raise PnMixError(f"the prompt ({len(prompt_ids)} tokens) and --max-new-tokens {max_new_tokens} exceed "
+                         f"the capacity of {session.info.path.name} ({session.info.max_seq_len} tokens; "
+                         "export with a larger --max-seq-len)")
+    result = Generation(list(prompt_ids))
+    began = time.perf_counter()
+    logits = session.step(list(prompt_ids))
+    result.prefill_seconds = time.perf_counter() - began
+    result.first_logits = logits
+    if on_step:
+        on_step(session, logits)
+    began = time.perf_counter()
+    for index in range(max_new_tokens):
+        token = int(np.argmax(logits))
+        result.new_ids.append(token)
+        if token == eos or index == max_new_tokens - 1:
+            break
+        logits = session.step([token])
+        if on_step:
+            on_step(session, logits)
+    result.decode_seconds = time.perf_counter() - began
+    return result

@@ -1,0 +1,186 @@
+"""`pnmix bench onnx --model MODEL`: an LLM file with the pn-mix cache next to a peer, in ONNX Runtime (CPU).
+
+For each context C (default 512, 2048, 4096): a prefill of C tokens (one call, tokens/s), then
+``repeats`` greedy decode steps (tokens/s), and the KV bytes each side holds at C + repeats tokens.
+
+* pnmix: the file of `pnmix export --model MODEL` (exported here to a temporary folder unless
+  --onnx names one), its packed state fed back each step.
+* the peer: the same model exported by onnxruntime-genai's model builder
+  (``python -m onnxruntime_genai.models.builder``, fp32, CPU) with its standard fp32 KV cache,
+  run with onnxruntime-genai's generator. The builder reads a Hugging Face folder: a GGUF model is
+  first written as one (its weights dequantized to fp32). --peer none skips it; --peer DIR uses a
+  builder output folder made before.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+from pnmix.errors import PnMixError
+
+from pnmix.backends.onnxruntime.llm_session import LlmSession
+from pnmix.generate import rate_text
+
+DEFAULT_CONTEXTS = (512, 2048, 4096)
+
+
+def names_an_llm(spec: str) -> bool:
+    """Whether `bench onnx --model` names an LLM (a folder, a .gguf file, a packaged name) rather
+    than a diagnostic .onnx file."""
+    path = Path(spec)
+    if path.is_dir() or spec.lower().endswith(".gguf"):
+        return True
+    if path.exists() or spec.lower().endswith(".onnx"):
+        return False
+    from pnmix.hf.models import PACKAGED_MODELS  # imports transformers: only for a bare name
+
+    return spec in PACKAGED_MODELS
+
+
+def _ids(tokenizer, count: int) -> List[int]:
+    from pnmix.dataset import text_or_hamlet
+
+    text = text_or_hamlet(None)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    while len(ids) < count:
+        ids = ids + ids
+    return list(ids[:count])
+
+
+def time_pnmix(path: Path, ids: List[int], repeats: int, threads: Optional[int]) -> Dict[str, Any]:
+    session = LlmSession(path, threads)
+    began = time.perf_counter()
+    logits = session.step(ids)
+    prefill = time.perf_counter() - began
+    began = time.perf_counter()
+    for _ in range(repeats):
+        logits = session.step([int(np.argmax(logits))])
+    decode = time.perf_counter() - began
+    return {"prefill_tokens_per_s": len(ids) / prefill, "decode_tokens_per_s": repeats / decode,
+            "kv_bytes": session.cache_bytes()["persistent_cache_bytes"],
+            "kv_bytes_allocated": session.cache_bytes()["allocated_bytes"]}
+
+
+def time_peer(folder: Path, ids: List[int], repeats: int) -> Dict[str, Any]:
+    try:
+        import onnxruntime_genai as og
+    except ImportError:
+        raise PnMixError("the peer needs onnxruntime-genai: pip install onnxruntime-genai (or --peer none)") from None
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(ids) + repeats + 1, do_sample=False)
+    generator = og.Generator(model, params)
+    began = time.perf_counter()
+    generator.append_tokens(ids)
+    prefill = time.perf_counter() - began
+    began = time.perf_counter()
+    for _ in range(repeats):
+        generator.generate_next_token()
+    decode = time.perf_counter() - began
+    return {"prefill_tokens_per_s": len(ids) / prefill, "decode_tokens_per_s": repeats / decode}
+
+
+def fp_kv_bytes(model_config, tokens: int, bytes_per: int) -> int:
+    from pnmix.export.llama import Dims
+
+    dims = Dims(model_config)
+    return 2 * dims.layers * dims.kv_heads * dims.head_dim * tokens * bytes_per
+
+
+def build_peer(model: str, folder: Path) -> Path:
+    """onnxruntime-genai's builder on an HF folder of MODEL (written first for a GGUF model)."""
+    from pnmix.hf.models import load_causal_lm, load_model_config, load_tokenizer, resolve_model
+
+    source = resolve_model(model)
+    hf_folder = source.folder
+    if source.gguf_file:  # the builder takes a folder of safetensors; a GGUF model is not serializable as is
+        import transformers
+
+        config = load_model_config(source)
+        loaded = load_causal_lm(source, "fp32", model_config=config)
+        config = loaded.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        plain = getattr(transformers, type(loaded).__name__)(config)
+        plain.load_state_dict(loaded.state_dict())
+        hf_folder = folder / "hf"
+        plain.save_pretrained(hf_folder)
+        load_tokenizer(source).save_pretrained(hf_folder)
+    out = folder / "peer"
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_folder),
+                           "-o", str(out), "-p", "fp32", "-e", "cpu", "-c", str(folder / "cache")],
+                          capture_output=True, text=True, env=env)
+    if proc.returncode != 0 or not (out / "genai_config.json").is_file():
+        last = [line for line in (proc.stderr or proc.stdout).splitlines() if line.strip()][-1:] or ["no output"]
+        raise PnMixError(f"onnxruntime-genai's model builder failed offline: {last[0]} (use --peer none)")
+    return out
+
+
+def bench_llm(model: str, contexts=DEFAULT_CONTEXTS, repeats: int = 16, onnx_path: Optional[Path] = None,
+              peer: str = "auto", threads: Optional[int] = None) -> Dict[str, Any]:
+    from pnmix.hf.models import load_model_config, load_tokenizer, resolve_model
+
+    from pnmix.export.llm import export_llm
+
+    source = resolve_model(model)
+    model_config = load_model_config(source)
+    tokenizer = load_tokenizer(source)
+    capacity = max(contexts) + repeats + 1
+    report: Dict[str, Any] = {"model": model, "contexts": list(contexts), "repeats": repeats, "rows": []}
+    with tempfile.TemporaryDirectory(prefix="pnmix-bench-llm-") as tmp:
+        folder = Path(tmp)
+        if onnx_path is None:
+            result = export_llm(model, folder / "m.onnx", capacity)
+            onnx_path = result.path
+            report.update(export_seconds=result.seconds, file_bytes=result.file_bytes, data_bytes=result.data_bytes)
+        peer_folder = None
+        if peer == "auto":
+            began = time.perf_counter()
+            peer_folder = build_peer(model, folder)
+            report["peer_build_seconds"] = time.perf_counter() - began
+        elif peer != "none":
+            peer_folder = Path(peer)
+        for context in contexts:
+            ids = _ids(tokenizer, context)
+            row = {"context": context, "pnmix": time_pnmix(onnx_path, ids, repeats, threads)}
+            if peer_folder is not None:
+                row["peer"] = time_peer(peer_folder, ids, repeats)
+            row["fp32_kv_bytes"] = fp_kv_bytes(model_config, context + repeats, 4)
+            row["fp16_kv_bytes"] = fp_kv_bytes(model_config, context + repeats, 2)
+            report["rows"].append(row)
+    return report
+
+
+def bench_llm_command(model: str, contexts: str, repeats: int, onnx_path: Optional[Path], peer: str,
+                      json_path: Optional[Path]) -> int:
+    from pnmix.io import check_output_path, write_json_atomic
+
+    if json_path is not None:
+        check_output_path(json_path)
+    from pnmix.errors import parse_positive_ints
+
+    chosen = tuple(parse_positive_ints(contexts, "--contexts"))
+    if repeats < 1:
+        raise PnMixError(f"--repeats must be >= 1, got {repeats}")
+    report = bench_llm(model, chosen, repeats, onnx_path, peer)
+    if "export_seconds" in report:
+        print(f"export: {report['export_seconds']:.1f} s, {report['file_bytes']} + {report['data_bytes']} bytes")
+    print(f"{'context':>8} {'pnmix prefill/s':>16} {'pnmix decode/s':>15} {'peer prefill/s':>15} "
+          f"{'peer decode/s':>14} {'pnmix KV bytes':>15} {'fp32 KV bytes':>14} {'fp16 KV bytes':>14}")
+    for row in report["rows"]:
+        mine, peer_row = row["pnmix"], row.get("peer", {})
+        print(f"{row['context']:>8} {mine['prefill_tokens_per_s']:>16.1f} {mine['decode_tokens_per_s']:>15.2f} "
+              f"{rate_text(peer_row.get('prefill_tokens_per_s'), 2):>15} {rate_text(peer_row.get('decode_tokens_per_s'), 2):>14} "
+              f"{mine['kv_bytes']:>15} {row['fp32_kv_bytes']:>14} {row['fp16_kv_bytes']:>14}")
+    if json_path is not None:
+        write_json_atomic(json_path, report)
+    return 0

@@ -1,0 +1,66 @@
+"""`pnmix generate`: greedy generation from an exported LLM file in ONNX Runtime, one prefill call
+for the prompt and one call per new token (pnmix.backends.onnxruntime.llm_session)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from .backends.onnxruntime.llm_session import LlmSession, greedy
+from .errors import PnMixError
+from .export.llm_file import check_tokenizer, read_llm_info
+
+
+def read_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> str:
+    if (prompt is None) == (prompt_file is None):
+        raise PnMixError("give exactly one of --prompt TEXT or --prompt-file FILE")
+    if prompt is not None:
+        return prompt
+    from .io import read_text
+
+    return read_text(prompt_file, "prompt")
+
+
+def generate_command(model: Path, tokenizer: str, prompt: Optional[str], prompt_file: Optional[Path],
+                     max_new_tokens: int, json_path: Optional[Path], threads: Optional[int] = None) -> int:
+    from .hf.models import load_tokenizer, resolve_model
+    from .io import check_output_path, write_json_atomic
+
+    if json_path is not None:
+        check_output_path(json_path)
+    if max_new_tokens < 1:
+        raise PnMixError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    text = read_prompt(prompt, prompt_file)
+    info = read_llm_info(model)
+    tok = load_tokenizer(resolve_model(tokenizer))
+    check_tokenizer(info, tok, tokenizer)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    if len(ids) > info.max_seq_len:
+        raise PnMixError(f"the prompt has {len(ids)} tokens, more than the capacity of {model.name} "
+                         f"({info.max_seq_len} tokens; export with a larger --max-seq-len)")
+    max_new_tokens = min(max_new_tokens, info.max_seq_len - len(ids) + 1)
+    session = LlmSession(model, threads, info)
+    result = greedy(session, ids, max_new_tokens, tok.eos_token_id)
+    completion = tok.decode(result.new_ids, skip_special_tokens=True)
+    decode_steps = max(len(result.new_ids) - 1, 0)
+    report = {
+        "model": str(model), "tokenizer": tokenizer, "provider": session.provider,
+        "prompt": text, "completion": completion, "prompt_tokens": len(ids), "new_tokens": len(result.new_ids),
+        "token_ids": result.new_ids,
+        "prefill_seconds": result.prefill_seconds, "decode_seconds": result.decode_seconds,
+        "prefill_tokens_per_s": len(ids) / result.prefill_seconds if result.prefill_seconds else None,
+        "decode_tokens_per_s": decode_steps / result.decode_seconds if decode_steps and result.decode_seconds else None,
+        **session.cache_bytes(),
+    }
+    print(text + completion)
+    print(f"prefill {len(ids)} tokens: {rate_text(report['prefill_tokens_per_s'])} tokens/s; decode "
+          f"{decode_steps} tokens: {rate_text(report['decode_tokens_per_s'])} tokens/s ({session.provider}); "
+          f"packed cache {report['persistent_cache_bytes']} bytes used, {report['allocated_bytes']} allocated")
+    if json_path is not None:
+        write_json_atomic(json_path, report)
+    return 0
+
+
+def rate_text(value: Optional[float], digits: int = 1) -> str:
+    """A tokens/s figure for a table, "-" where there is none."""
+    return "-" if value is None else f"{value:.{digits}f}"

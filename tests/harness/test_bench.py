@@ -1,0 +1,174 @@
+"""`pnmix bench decode`: the report's shape, its byte accounting and its error handling (tiny sizes)."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from pnmix.bench import decode as bench
+from pnmix._native import library_status
+from pnmix.cli import app
+from pnmix.config import PnMixConfig
+from pnmix.errors import PnMixError
+from pnmix.format import CacheLayout
+
+SMALL = PnMixConfig(group_size=16, residual_size=32, sink_tokens=4, value_group_size=32)
+CORE, CORE_REASON = library_status("pnmix_core")
+
+
+@pytest.fixture(scope="module")
+def report():
+    return bench.run_decode_bench(300, batch=2, q_heads=4, kv_heads=2, head_dim=32, threads=1, device="cpu",
+                                  repeats=2, config=SMALL)
+
+
+def test_every_cpu_impl_is_timed_with_its_bytes(report):
+    names = [r["impl"] for r in report["results"]]
+    assert names[:5] == ["sdpa_fp32", "sdpa_bf16", "sdpa_fp32_grouped", "sdpa_bf16_grouped", "reference"]
+    assert ("core" in names) == CORE
+    layout = CacheLayout(SMALL, 2, 2, 32, 300)
+    packed = layout.persistent_bytes(300)["persistent_cache_bytes"]
+    dense32 = 2 * 2 * 2 * 300 * 32 * 4
+    by_name = {r["impl"]: r for r in report["results"]}
+    assert by_name["sdpa_fp32"]["cache_bytes"] == by_name["sdpa_fp32"]["bytes_read"] == dense32
+    assert by_name["sdpa_bf16"]["cache_bytes"] == by_name["sdpa_bf16_grouped"]["cache_bytes"] == dense32 // 2
+    fastest = min((r for r in report["results"] if r["impl"].startswith("sdpa")), key=lambda r: r["median_ms"])
+    assert all(r["best_sdpa"] == fastest["impl"] for r in report["results"])
+    assert by_name["reference"]["cache_bytes"] == packed
+    assert by_name["reference"]["bytes_read"] == packed + 2 * dense32
+    for r in report["results"]:
+        assert r["median_ms"] > 0 and r["repeats"] == 2
+        assert r["gbps"] == pytest.approx(r["bytes_read"] / r["median_ms"] / 1e6)
+        assert r["speedup_vs_sdpa_fp32"] == pytest.approx(by_name["sdpa_fp32"]["median_ms"] / r["median_ms"])
+    assert report["packed_bytes"] == packed and report["dense_fp16_bytes"] == dense32 // 2
+    assert report["machine"]["threads"] == 1 and report["machine"]["cpu_count"] >= 1
+
+
+def test_grouped_sdpa_equals_gqa_sdpa(report):
+    by_name = {r["impl"]: r for r in report["results"]}
+    # both dense forms of the same attention: fp32 agree to rounding
+    assert by_name["sdpa_fp32_grouped"]["max_abs_diff_vs_sdpa_fp32"] <= 1e-5
+
+
+def test_bandwidth_fraction_is_each_rate_over_the_measured_stream_bandwidth(report):
+    stream = report["machine"]["stream_gbs"]
+    assert stream > 0
+    for r in report["results"]:
+        assert r["gbs"] == r["gbps"]
+        assert r["bandwidth_fraction"] == pytest.approx(r["gbs"] / stream)
+    fastest = min(report["results"], key=lambda r: r["median_ms"])
+    dense = [r for r in report["results"] if r["impl"].startswith("sdpa") or r["impl"] in ("ort_gqa_fp32", "ort_gqa_fp16")]
+    best = min(dense, key=lambda r: r["median_ms"])
+    assert fastest["speedup_vs_best_dense"] == pytest.approx(best["median_ms"] / fastest["median_ms"])
+
+
+def test_compute_fraction_is_each_rate_over_the_measured_fp32_rate(report):
+    peak = report["machine"]["matmul_gflops"]
+    assert peak > 0
+    flops = 4 * 2 * 4 * 300 * 32  # a multiply-add for the score and one for the value: [B, Hq, N, D]
+    for r in report["results"]:
+        assert r["flops"] == flops  # the same arithmetic, however the cache is stored
+        assert r["gflops"] == pytest.approx(flops / r["median_ms"] / 1e6)
+        assert r["compute_fraction"] == pytest.approx(r["gflops"] / peak)
+
+
+def test_the_fp32_rate_probe_restores_torch_threads():
+    import torch
+
+    before = torch.get_num_threads()
+    rate = bench.matmul_gflops(1, n=64, runs=2)
+    assert rate > 0 and torch.get_num_threads() == before
+    assert bench.decode_flops(1, 32, 32768, 128) == 4 * 32 * 32768 * 128
+
+
+def test_rounds_time_every_implementation_again_and_report_the_median_round():
+    report = bench.run_decode_bench(96, q_heads=4, kv_heads=2, head_dim=32, threads=1, device="cpu", repeats=2,
+                                    config=SMALL, impls="sdpa_fp32,sdpa_bf16,reference", rounds=3)
+    assert report["rounds"] == 3
+    for r in report["results"]:
+        rounds = r["round_medians_ms"]
+        assert len(rounds) == 3 and r["repeats"] == 3 * 2
+        assert r["median_ms"] == pytest.approx(sorted(rounds)[1])
+    with pytest.raises(PnMixError, match="--rounds must be 1..100"):
+        bench.run_decode_bench(96, q_heads=4, kv_heads=2, head_dim=32, device="cpu", config=SMALL, rounds=0)
+
+
+def test_onnx_runtime_peers_are_timed_or_skipped_with_their_cache_bytes(report):
+    by_name = {r["impl"]: r for r in report["results"]}
+    skipped = {s["impl"]: s["reason"] for s in report["skipped"]}
+    elements = 2 * 2 * 2 * 300 * 32  # K and V, [B, H, N, D]
+    want = {"ort_gqa_fp32": 4 * elements, "ort_gqa_fp16": 2 * elements,
+            "ort_gqa_int8": elements + 8 * 2 * 32, "ort_gqa_int4": elements // 2 + 8 * 2 * 32,
+            "ort_gqa_int8_tensor": elements + 8, "ort_gqa_int4_tensor": elements // 2 + 8}
+    for name, size in want.items():
+        assert (name in by_name) != (name in skipped), name
+        if name in by_name:
+            assert by_name[name]["cache_bytes"] == by_name[name]["bytes_read"] == size
+    # the dense caches hold the same K/V as sdpa_fp32's: the same attention to rounding
+    if "ort_gqa_fp32" in by_name:
+        assert by_name["ort_gqa_fp32"]["max_abs_diff_vs_sdpa_fp32"] <= 1e-5
+    if "ort_gqa_fp16" in by_name:
+        assert by_name["ort_gqa_fp16"]["max_abs_diff_vs_sdpa_fp32"] <= 1e-2
+    for name in ("ort_gqa_int8", "ort_gqa_int4"):  # quantized: close, not equal
+        if name in by_name:
+            assert by_name[name]["max_abs_diff_vs_sdpa_fp32"] <= 0.5
+
+
+@pytest.mark.skipif(not CORE, reason=f"libpnmix_core not available: {CORE_REASON}")
+def test_core_agrees_with_reference(report):
+    core = next(r for r in report["results"] if r["impl"] == "core")
+    assert core["cache_bytes"] == core["bytes_read"] == report["packed_bytes"]
+    assert core["max_abs_diff_vs_reference"] <= 1e-3
+    assert report["core_isa"] in ("scalar", "avx2", "avx512", "avx512vbmi")
+
+
+def test_gpu_impls_are_skipped_with_a_reason_on_cpu():
+    out = bench.run_decode_bench(64, q_heads=2, kv_heads=1, head_dim=16, device="cpu", impls="sdpa_fp32,triton,cuda",
+                                 repeats=1, config=SMALL)
+    assert [r["impl"] for r in out["results"]] == ["sdpa_fp32"]
+    reasons = {s["impl"]: s["reason"] for s in out["skipped"]}
+    assert set(reasons) == {"triton", "cuda"} and all("GPU" in r for r in reasons.values())
+
+
+def test_factory_import_failure_is_a_skip(monkeypatch):
+    monkeypatch.setitem(bench.GPU_FACTORIES, "triton", "pnmix.no_such_module:bench_factory")
+    with pytest.raises(bench.Skip, match="no_such_module"):
+        bench.make_impl("triton", {"layout": CacheLayout(SMALL, 1, 1, 16, 64), "context": 64, "device": "cuda"})
+
+
+def test_reference_is_skipped_automatically_on_long_contexts():
+    names, skipped = bench._choose_impls(None, "cpu", bench.REFERENCE_AUTO_LIMIT + 1)
+    assert "reference" not in names and "reference" in skipped
+    names, _ = bench._choose_impls("reference,core", "cpu", bench.REFERENCE_AUTO_LIMIT + 1)
+    assert names == ["reference", "core"]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(impls="sdpa_fp33"), "unknown implementation 'sdpa_fp33'"),
+    (dict(q_heads=3, kv_heads=2), "multiple of --kv-heads"),
+    (dict(repeats=0), "--repeats"),
+    (dict(threads=0), "--threads"),
+])
+def test_bad_arguments_are_one_line_errors(kwargs, message):
+    args = dict(context=64, q_heads=4, kv_heads=2, head_dim=16, config=SMALL, device="cpu")
+    args.update(kwargs)
+    with pytest.raises(PnMixError, match=message):
+        bench.run_decode_bench(**args)
+
+
+def test_cli_prints_and_writes_json(tmp_path):
+    out = tmp_path / "b.json"
+    result = CliRunner().invoke(app, ["bench", "decode", "--context", "96", "--q-heads", "4", "--kv-heads", "2",
+                                      "--head-dim", "32", "--repeats", "2", "--device", "cpu", "--impls",
+                                      "sdpa_fp32,core" if CORE else "sdpa_fp32", "--rounds", "2",
+                                      "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert {"impl", "median_ms", "cache_bytes", "bytes_read", "gbps", "gbs", "bandwidth_fraction"} <= set(data["results"][0])
+    assert data["machine"]["stream_gbs"] > 0 and data["machine"]["matmul_gflops"] > 0
+    assert {"flops", "gflops", "compute_fraction"} <= set(data["results"][0])
+    assert "fp32 arithmetic rate" in result.output and "of fp32 peak" in result.output
+    assert data["rounds"] == 2 and "median of 2 rounds" in result.output
+    assert "machine" in data and "pnmix bench decode" in result.output
+    bad = CliRunner().invoke(app, ["bench", "decode", "--context", "0"])
+    assert bad.exit_code == 2 and "--context" in bad.output

@@ -1,0 +1,274 @@
+"""PnMixCache and the pnmix attention in transformers, on tiny random Llamas (no download)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="transformers 5.x is the optional `hf` extra")
+
+from pnmix.cache import PackedKVCache  # noqa: E402
+from pnmix.config import PnMixConfig  # noqa: E402
+from pnmix.errors import PnMixError  # noqa: E402
+from pnmix.format import STATE_NAMES  # noqa: E402
+from pnmix.hf import PnMixCache  # noqa: E402
+from pnmix.hf._deps import quanto_unavailable_reason  # noqa: E402
+from pnmix.hf.evaluate import quantized_cache_bytes  # noqa: E402
+
+KV_HEADS, HEAD_DIM, LAYERS = 2, 32, 2
+
+
+def tiny_llama(seed: int = 0, layers: int = LAYERS):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                         max_position_embeddings=4096, pad_token_id=0, eos_token_id=None, bos_token_id=None)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama()
+
+
+@pytest.fixture(autouse=True)
+def sdpa_by_default(model):
+    model.set_attn_implementation("sdpa")
+    warnings.filterwarnings("ignore", category=FutureWarning)  # generate's past_key_values -> cache rename
+    yield
+
+
+def tokens(n: int, batch: int = 1, seed: int = 1) -> torch.Tensor:
+    return torch.randint(1, 256, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+# ---- generate and forward --------------------------------------------------------------------
+def test_generate_with_pnmix_cache_runs_and_quantizes(model):
+    ids = tokens(200)
+    cache = PnMixCache()
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=32, do_sample=False)
+    assert out.shape == (1, 232)
+    assert cache.get_seq_length() == 231  # the last generated token is never fed back
+    lengths = cache.layers[0].packed.lengths()
+    assert lengths.groups >= 1 and lengths.sink == 32
+    full_bytes = 2 * LAYERS * KV_HEADS * HEAD_DIM * 231 * 2  # what an fp16 cache would hold
+    assert 0 < cache.persistent_bytes() < full_bytes
+    assert [layer.packed.saliency_computations for layer in cache.layers] == [1] * LAYERS
+
+
+def test_packed_attention_path_matches_dequantized_path(model):
+    ids = tokens(330, batch=2, seed=3)
+    logits = {}
+    with torch.no_grad():
+        for impl in ("sdpa", "pnmix"):
+            model.set_attn_implementation(impl)
+            cache = PnMixCache()
+            rows = [model(input_ids=ids[:, :170], cache=cache).logits[:, -1:]]
+            for t in range(170, 330, 40):  # multi-token steps after the prefill
+                rows.append(model(input_ids=ids[:, t:t + 40], cache=cache).logits)
+            logits[impl] = torch.cat(rows, dim=1)
+            assert cache.layers[0].packed.lengths().groups == 2
+            assert cache.layers[0].packed_attention == (impl == "pnmix")
+            # The packed path hands the model no dequantized copy of the cache.
+            assert (cache.peak_copy_bytes() == 0) == (impl == "pnmix")
+    torch.testing.assert_close(logits["pnmix"], logits["sdpa"], atol=5e-3, rtol=0)
+
+
+def test_greedy_generation_agrees_across_attention_paths(model):
+    ids = tokens(180, seed=4)
+    outs = []
+    for impl in ("sdpa", "pnmix"):
+        model.set_attn_implementation(impl)
+        outs.append(model.generate(ids, past_key_values=PnMixCache(), max_new_tokens=16, do_sample=False))
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("family", ["Mistral", "Qwen2", "Qwen3"])
+def test_other_llama_family_models_generate_on_both_paths(family):
+    config_class, model_class = getattr(transformers, f"{family}Config"), getattr(transformers, f"{family}ForCausalLM")
+    torch.manual_seed(0)
+    config = config_class(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    other = model_class(config).eval()
+    outs = []
+    for impl in ("sdpa", "pnmix"):
+        other.set_attn_implementation(impl)
+        cache = PnMixCache(model_config=other.config)
+        outs.append(other.generate(tokens(170, seed=6), past_key_values=cache, max_new_tokens=4, do_sample=False))
+        assert cache.layers[0].packed.lengths().groups == 1
+    assert outs[0].shape == (1, 174) and torch.equal(outs[0], outs[1])
+    if family == "Mistral":  # a sliding window shorter than the sequence: pn-mix never drops tokens
+        other.config.sliding_window = 64
+        with pytest.raises(PnMixError, match="sliding window"):
+            other.generate(tokens(100), past_key_values=PnMixCache(), max_new_tokens=2)
+
+
+def test_backend_can_be_named(model):
+    cache = PnMixCache(backend="torch")
+    with torch.no_grad():
+        model(input_ids=tokens(10), cache=cache)
+    assert cache.ops_name == "torch"
+    with pytest.raises(PnMixError, match="unknown backend"):
+        model(input_ids=tokens(10), cache=PnMixCache(backend="nope"))
+
+
+def test_beam_search_reorders_packed_rows(model):
+    out = model.generate(tokens(170, seed=5), past_key_values=PnMixCache(), num_beams=2, max_new_tokens=6,
+                         do_sample=False)
+    assert out.shape == (1, 176)
+
+
+# ---- the update semantics --------------------------------------------------------------------
+def kv(n: int, seed: int, batch: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, KV_HEADS, n, HEAD_DIM, generator=g),
+            torch.randn(batch, KV_HEADS, n, HEAD_DIM, generator=g))
+
+
+def test_update_returns_prompt_then_cache_followed_by_fp_token():
+    cache = PnMixCache()
+    reference = PackedKVCache(cache.config, KV_HEADS, HEAD_DIM, 512)
+    k, v = kv(160, seed=0)
+    keys, values = cache.update(k, v, 0)
+    assert keys is k and values is v  # prefill: full precision over the prompt
+    reference.append(k.half(), v.half())
+    for step in range(3):
+        k1, v1 = kv(1, seed=10 + step)
+        before_k, before_v = reference.dequantized()
+        keys, values = cache.update(k1, v1, 0)
+        # The token whose append flushes a group (step 0: residual full) is still exact here.
+        torch.testing.assert_close(keys, torch.cat([before_k, k1], dim=2), atol=0, rtol=0)
+        torch.testing.assert_close(values, torch.cat([before_v, v1], dim=2), atol=0, rtol=0)
+        reference.append(k1.half(), v1.half())
+    packed = cache.layers[0].packed
+    assert packed.seq_len == reference.seq_len == 163 and packed.lengths().groups == 1
+    for name in STATE_NAMES:
+        assert torch.equal(packed.state[name], reference.state[name][tuple(slice(0, s) for s in packed.state[name].shape)]), name
+
+
+def test_capacity_grows_or_is_fixed_by_max_cache_len():
+    grown, fixed = PnMixCache(), PnMixCache(max_cache_len=1200)
+    for cache in (grown, fixed):
+        k, v = kv(100, seed=1)
+        cache.update(k, v, 0)
+        for chunk in range(10):
+            k, v = kv(100, seed=2 + chunk)
+            cache.update(k, v, 0)
+    assert grown.layers[0].packed.layout.max_seq_len > 356  # started at prefill + 256, then doubled
+    assert grown.persistent_bytes() == fixed.persistent_bytes()
+    for name in STATE_NAMES:
+        a, b = grown.layers[0].packed.state[name], fixed.layers[0].packed.state[name]
+        common = tuple(slice(0, min(x, y)) for x, y in zip(a.shape, b.shape))
+        assert torch.equal(a[common], b[common]), name
+    with pytest.raises(PnMixError, match="max_cache_len 1200"):
+        fixed.update(*kv(200, seed=99), 0)
+
+
+def test_persistent_bytes_follow_the_spec_formula(model):
+    cache = PnMixCache()
+    with torch.no_grad():
+        model(input_ids=tokens(1024), cache=cache)
+    h, d, gs = KV_HEADS, HEAD_DIM, 128
+    n_sink, groups, n_res = 32, 7, 96  # 1024 = 32 + 7 * 128 + 96
+    key = 2 * h * d * (n_sink + n_res) + groups * (gs * h * (16 * 3 + 16 * 1) // 8 + 4 * h * d) + (h * 16 + 7) // 8
+    value = 2 * h * d * (n_sink + n_res) + groups * gs * h * (d * 2 // 8 + 4 * d // 32)
+    assert cache.bytes_by_part() == {"key_bytes": LAYERS * key, "value_bytes": LAYERS * value,
+                                     "persistent_cache_bytes": LAYERS * (key + value)}
+    assert cache.allocated_bytes() >= cache.persistent_bytes()
+
+
+@pytest.mark.skipif(quanto_unavailable_reason() is not None, reason=f"{quanto_unavailable_reason()}")
+def test_packed_groups_hold_fewer_bytes_than_quantized_cache_2bit(model):
+    """At a 1024-token prompt with no sink, all of PnMixCache is 8 quantized groups (no fp16
+    residual left), so this compares the two quantized formats byte for byte."""
+    from transformers import QuantizedCache
+
+    ids = tokens(1024)
+    pn = PnMixCache(sink_tokens=0)
+    qc = QuantizedCache(backend="quanto", config=model.config, nbits=2)
+    with torch.no_grad():
+        model(input_ids=ids, cache=pn)
+        model(input_ids=ids, cache=qc)
+    assert pn.layers[0].packed.lengths() == (0, 8, 0)
+    assert pn.persistent_bytes() < quantized_cache_bytes(qc)
+
+
+# ---- refusals --------------------------------------------------------------------------------
+def test_pair_layout_contradicting_the_model_is_refused():
+    with pytest.raises(PnMixError, match="rotate_half"):
+        PnMixCache(pair_layout="adjacent")
+    with pytest.raises(PnMixError, match="pair_layout 'adjacent' contradicts"):
+        PnMixCache(PnMixConfig())  # the manifest's layout is adjacent
+    assert PnMixCache().config.pair_layout == "half"
+
+    class GPTJConfig:
+        model_type = "gptj"
+
+    assert PnMixCache(pair_layout="adjacent", model_config=GPTJConfig()).config.pair_layout == "adjacent"
+    with pytest.raises(PnMixError, match="interleaved"):
+        PnMixCache(model_config=GPTJConfig(), pair_layout="half")
+
+
+def test_left_padded_batch_is_refused(model):
+    ids = tokens(40, batch=2)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    with pytest.raises(PnMixError, match="left-padded"):
+        model.generate(ids, attention_mask=mask, past_key_values=PnMixCache(), max_new_tokens=2)
+
+
+def test_leaving_the_pnmix_attention_mid_sequence_is_refused(model):
+    cache = PnMixCache()
+    with torch.no_grad():
+        model.set_attn_implementation("pnmix")
+        model(input_ids=tokens(20), cache=cache)
+        model.set_attn_implementation("sdpa")
+        model(input_ids=tokens(1), cache=cache)
+        with pytest.raises(PnMixError, match="not attended by the pnmix attention"):
+            model(input_ids=tokens(1), cache=cache)
+
+
+def test_rewind_and_crop_are_refused(model):
+    cache = PnMixCache()
+    with torch.no_grad():
+        model(input_ids=tokens(20), cache=cache)
+        with pytest.raises(PnMixError, match="continue the cached sequence"):
+            model(input_ids=tokens(5), cache=cache, position_ids=torch.arange(5).unsqueeze(0))
+    with pytest.raises(PnMixError, match="cannot be cropped"):
+        cache.crop(-1)
+
+
+# ---- the pnmix attention without a PnMixCache -------------------------------------------------
+def test_pnmix_attention_without_pnmix_cache_is_sdpa(model):
+    ids = tokens(50, batch=2, seed=8)
+    with torch.no_grad():
+        want = model(input_ids=ids, use_cache=False).logits
+        model.set_attn_implementation("pnmix")
+        got = model(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_pnmix_attention_refuses_a_padding_mask(model):
+    ids = tokens(30, batch=2, seed=9)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    model.set_attn_implementation("pnmix")
+    with torch.no_grad(), pytest.raises(PnMixError, match="unpadded batches only"):
+        model(input_ids=ids, attention_mask=mask, cache=PnMixCache())
+
+
+def test_speed_tool_times_every_cache(tmp_path):
+    from pnmix.bench.generate import main
+
+    out = tmp_path / "speed.json"
+    assert main(["--prompt-tokens", "170", "--new-tokens", "3", "--repeats", "1", "--json", str(out)]) == 0
+    rows = {row["cache"]: row for row in json.loads(out.read_text())["results"]}
+    packed, dequantized = rows["PnMixCache, pnmix attention"], rows["PnMixCache, dequantized path"]
+    assert packed["peak_dequantized_copy_bytes"] == 0 < dequantized["peak_dequantized_copy_bytes"]
+    assert packed["cache_bytes"] == dequantized["cache_bytes"] < rows["DynamicCache (full precision)"]["cache_bytes"]
+    assert all(row["decode_tokens_per_second"] > 0 for row in rows.values())
