@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import random
 import struct
 import sys
@@ -147,7 +146,7 @@ class Targets:
             target.import_state(tensors, seq_len)
         except self.PnMixError as exc:
             if (dump_state(target.layout, target.state, target.seq_len), target.seq_len) != before:
-                raise AssertionError("a refused import_state changed the cache")
+                raise AssertionError("a refused import_state changed the cache") from None
             return self._refused(exc)
         blob = dump_state(target.layout, target.state, target.seq_len)
         try:
