@@ -4,7 +4,7 @@ The state is a dict of plain tensors (format.STATE_NAMES), the same tensors the 
 the C++ core and the TensorRT plugins take. The number of tokens taken, ``seq_len``, is the
 only other state: sink, group and residual counts follow from it (CacheLayout.lengths).
 
-Semantics (SPEC section 2): the first append of an empty cache is the prefill and computes the
+Semantics (docs/METHOD.md section 2): the first append of an empty cache is the prefill and computes the
 pair mask from its keys; tokens fill the sink, then the residual; whenever the residual holds
 ``residual_size`` tokens its oldest ``group_size`` tokens become a quantized group. Appending n
 tokens and then flushing equals flushing each time the residual fills, so the residual never

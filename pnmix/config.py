@@ -1,4 +1,4 @@
-"""PnMixConfig: the method's fields (SPEC section 1), their validation, and where they come from.
+"""PnMixConfig: the method's fields (docs/METHOD.md section 1), their validation, and where they come from.
 
 This module is the one place that names the config fields and states their limits. The ONNX
 op attributes are built from ``CONFIG_FIELDS``; the C++ side (params.h's struct, the plugin
@@ -29,7 +29,7 @@ MAX_SEQ_LEN = 1 << 40  # a cache's capacity and a dump's seq_len
 MAX_STATE_TENSOR_BYTES = 1 << 50  # any one state tensor at capacity
 
 
-# The range of each integer field (SPEC section 1). The rules between fields (group_size a
+# The range of each integer field (docs/METHOD.md section 1.1). The rules between fields (group_size a
 # multiple of 8, residual_size >= group_size) are _validate_fields's; those that need head_dim
 # are check_head_dim's. high_ratio is in [0, 1]; pair_layout one of PAIR_LAYOUTS.
 INT_FIELD_RANGES = {
@@ -46,7 +46,7 @@ TOKEN_FIELDS = ("group_size", "residual_size", "sink_tokens")  # counted in toke
 
 @dataclass(frozen=True)
 class PnMixConfig:
-    """The pn-mix method's configuration. Defaults are the manifest's values (SPEC section 1)."""
+    """The pn-mix method's configuration. Defaults are the manifest's values (docs/METHOD.md section 1.1)."""
 
     high_ratio: float = 0.5
     group_size: int = 128
@@ -102,7 +102,7 @@ class PnMixConfig:
             )
 
     def check_head_dim(self, head_dim: int) -> None:
-        """The checks that need the model's head dimension (SPEC section 1)."""
+        """The checks that need the model's head dimension (docs/METHOD.md section 1.2)."""
         if head_dim <= 0 or head_dim % 2:
             raise PnMixError(f"head_dim must be a positive even number, got {head_dim}")
         vg = self.value_block(head_dim)

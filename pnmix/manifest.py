@@ -1,4 +1,4 @@
-"""The published manifest: loading it and comparing our figures with it (SPEC section 5)."""
+"""The published manifest: loading it and comparing our figures with it (docs/METHOD.md section 5)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from .model import HEAD_DIM, KV_HEADS, SEED_RANGE
 
 BUNDLED = "data/pn-mix-manifest.json"
 
-# SPEC section 5: figures that must match exactly, and the quality bands.
+# docs/METHOD.md sections 5.2 and 5.3: figures that must match exactly, and the quality bands.
 EXACT_METRICS = (
     "key_bytes", "value_bytes", "persistent_cache_bytes", "quantized_tokens", "sink_tokens",
     "residual_tokens", "key_bits_per_element_including_sink_residual", "saliency_computations",
@@ -71,7 +71,7 @@ def _finite_number(value: Any) -> bool:
 
 
 def spec_formula_bytes(run: RunConfig, seq_len: int) -> Dict[str, int]:
-    """SPEC section 2's byte formula, written independently of the measured accounting."""
+    """docs/METHOD.md section 3.5's byte formula, written independently of the measured accounting."""
     cfg = run.config
     layout = CacheLayout(cfg, 1, KV_HEADS, HEAD_DIM, max(seq_len, 1))
     n = layout.lengths(seq_len)
@@ -138,7 +138,7 @@ def _verdict(name: str, mine: float, ref: float) -> str:
 
 
 def _invariant_verdict(name: str, mine: Dict[str, float], run: RunConfig) -> str:
-    """Checks that hold for any valid configuration: SPEC 2's bytes and the protocol's counts."""
+    """Checks that hold for any valid configuration: docs/METHOD.md section 3.5's bytes and the protocol's counts."""
     total = run.total_tokens
     if name in ("key_bytes", "value_bytes", "persistent_cache_bytes"):
         return "ok" if mine["mean"] == spec_formula_bytes(run, total)[name] else "MISMATCH"

@@ -1,4 +1,4 @@
-"""The diagnostic model (SPEC section 3): one layer, byte vocabulary, RoPE, GQA.
+"""The diagnostic model (docs/METHOD.md section 4.1): one layer, byte vocabulary, RoPE, GQA.
 
 The token -> q/k/v projection is linear in the embedding, so the model keeps it as three
 fp32 tables of 256 rows (``emb.weight @ W.T``), computed once. Every backend (torch, ONNX,

@@ -1,4 +1,4 @@
-"""The diagnostic protocol (SPEC section 4) and its metrics, run through any backend."""
+"""The diagnostic protocol (docs/METHOD.md section 4) and its metrics, run through any backend."""
 
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ def run_protocol(make: BackendFactory, run: RunConfig, seed: int, device: str = 
 
 
 def compute_metrics(seed, run, tokens, layout, state, seq_len, online, final) -> Dict[str, float]:
-    """SPEC section 4's metrics from the final cache and the backend's outputs."""
+    """docs/METHOD.md section 5.1's metrics from the final cache and the backend's outputs."""
     prefill, decode = run.prefill_tokens, run.decode_tokens
     model = DiagnosticModel(seed, run.config.pair_layout)
     ref = model.qkv(tokens, 0)  # fp16 q, k, v of every position, as the cache received them

@@ -1,4 +1,4 @@
-"""Affine quantization primitives (SPEC section 2, "Affine codes"), bit-exact rules.
+"""Affine quantization primitives (docs/METHOD.md section 3.4), bit-exact rules.
 
 Three named primitives, the group always being the LAST dimension of the input:
 ``choose_qparams`` (fit step and offset), ``quantize`` and ``dequantize``. Keys and values,

@@ -29,7 +29,7 @@ KERNEL_CONFIGS = {
 
 
 def schedule_list_model(config, chunks):
-    """SPEC section 2 in plain lists, the oracle for the cache's schedule: each token goes to the
+    """docs/METHOD.md section 2 in plain lists, the oracle for the cache's schedule: each token goes to the
     sink while it has room, else to the residual; after each append, while the residual holds
     >= residual_size tokens its oldest group_size become a group. Returns token positions
     (sink, groups, residual)."""

@@ -23,7 +23,7 @@ nvinfer1::IPluginV3* PnMixAttentionPlugin::clone() noexcept {
 int32_t PnMixAttentionPlugin::getOutputDataTypes(DataType* outputTypes, int32_t nbOutputs, const DataType*,
                                                  int32_t) const noexcept {
   if (outputTypes == nullptr || nbOutputs != 1) return -1;
-  outputTypes[0] = DataType::kFLOAT;  // the attention is fp32 arithmetic and output (SPEC)
+  outputTypes[0] = DataType::kFLOAT;  // the attention is fp32 arithmetic and output (docs/METHOD.md section 2.4)
   return 0;
 }
 

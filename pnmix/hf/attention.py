@@ -3,8 +3,8 @@
 Registered with transformers' AttentionInterface under ATTENTION_NAME; select it with
 ``from_pretrained(..., attn_implementation="pnmix")`` or ``model.set_attn_implementation("pnmix")``.
 With a PnMixCache, a decode step's update hands over the new tokens only and this function calls
-the backend's ``attend`` (queries over the packed cache followed by the new fp16 K/V, SPEC op
-semantics), then the layer appends them. No dequantized copy of the cache reaches the model. The
+the backend's ``attend`` (queries over the packed cache followed by the new fp16 K/V, docs/METHOD.md
+section 2.4), then the layer appends them. No dequantized copy of the cache reaches the model. The
 prefill has nothing packed to read: it is SDPA over the prompt's own K/V (full precision), and it
 is what puts the layer on the packed path.
 

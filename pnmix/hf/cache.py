@@ -1,7 +1,7 @@
 """PnMixCache: transformers' Cache interface over one packed pn-mix cache per layer.
 
 transformers calls ``cache.update(k, v, layer_idx)`` in every attention layer and then attends over
-the K/V that update returns. The pn-mix semantics (SPEC section 2, docs/HF.md) map onto that as:
+the K/V that update returns. The pn-mix semantics (docs/METHOD.md section 2, docs/HF.md) map onto that as:
 
 * prefill (the layer's first update): return the prompt's own K/V (full-precision attention), then
   append them to the packed cache: the pair mask comes from this layer's prefill keys.
@@ -316,7 +316,7 @@ class PnMixCache(Cache):
             layer.packed_attention = True
 
     def persistent_bytes(self) -> int:
-        """Bytes the cache holds: the used part of every layer's packed state (SPEC section 2)."""
+        """Bytes the cache holds: the used part of every layer's packed state (docs/METHOD.md section 3.5)."""
         return sum(layer.persistent_bytes() for layer in self.layers)
 
     def bytes_by_part(self) -> dict:

@@ -12,7 +12,7 @@ def test_manifest_config_fills_every_spec_field():
     config = PnMixConfig.from_manifest(manifest)
     for name, value in manifest["protocol"]["config"].items():
         assert getattr(config, name) == value
-    assert (config.key_high_bits, config.key_low_bits) == (3, 1)  # SPEC's choice where the manifest is silent
+    assert (config.key_high_bits, config.key_low_bits) == (3, 1)  # docs/METHOD.md section 1.4: the manifest is silent
     assert set(CONFIG_FIELDS) >= set(manifest["protocol"]["config"])
 
 

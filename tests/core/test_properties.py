@@ -1,5 +1,5 @@
 """Property tests (hypothesis): every parser either accepts its input or says why in one
-PnMixError line, and the append/flush schedule equals a list model of SPEC section 2.
+PnMixError line, and the append/flush schedule equals a list model of docs/METHOD.md section 2.
 
 Example counts are bounded so the file runs in well under a minute; run with
 ``--hypothesis-show-statistics`` to see how many cases each property generated, or with ``-s``

@@ -1,5 +1,5 @@
 """The ONNX export: one file, checker-clean, run by ONNX Runtime with no custom-op library,
-packed bytes identical to the PyTorch reference (SPEC section 2), attention within 2e-3."""
+packed bytes identical to the PyTorch reference (docs/METHOD.md section 3), attention within 2e-3."""
 
 import json
 

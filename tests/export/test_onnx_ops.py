@@ -1,5 +1,5 @@
 """Each pn-mix op alone through ONNX Runtime (its function body) on K/V chosen to hit the
-edge rules of SPEC section 2: energy ties, constant groups (step 0), saturating fp16, 1-bit
+edge rules of docs/METHOD.md section 3: energy ties, constant groups (step 0), saturating fp16, 1-bit
 fits, codes straddling bytes. Packed bytes must equal append_reference's."""
 
 import numpy as np

@@ -30,7 +30,7 @@ def invoke(*args):
 
 
 def spec_bytes(config, kv_heads: int, head_dim: int, tokens: int) -> int:
-    """SPEC section 2's persistent bytes of one layer holding `tokens` tokens (sink, groups, residual
+    """docs/METHOD.md section 3.5's persistent bytes of one layer holding `tokens` tokens (sink, groups, residual
     from the append/flush schedule), written out here independently of the cache code."""
     sink = min(tokens, config.sink_tokens)
     rest, groups = tokens - sink, 0

@@ -80,7 +80,7 @@ class LlmSession:
         return {name: self.state[state_input_name(layer, name)] for name in STATE_NAMES}
 
     def cache_bytes(self) -> Dict[str, int]:
-        """Used bytes of the packed state over all layers (SPEC section 2), and as allocated."""
+        """Used bytes of the packed state over all layers (docs/METHOD.md section 3.5), and as allocated."""
         import torch
 
         from pnmix.format import STATE_DTYPES
