@@ -8,7 +8,7 @@ import signal
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, Callable, List, Optional
+from typing import Annotated, Any, Callable, List, Optional
 
 import typer
 from rich.console import Console
@@ -118,29 +118,58 @@ def print_rows(rows, title: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------
+# The options several commands share: one name, one type and one help text each
+# ---------------------------------------------------------------------------------------
+
+# What a MODEL may name, in every option that takes one (pnmix.hf.models.resolve_model).
+MODEL_KINDS = "a Hugging Face folder, a .gguf file or a packaged name such as smollm2-135m"
+JSON_HELP = "Write the results here, as JSON."
+
+JsonOut = Annotated[Optional[Path], typer.Option("--json", help=JSON_HELP)]
+ConfigFile = Annotated[Optional[Path], typer.Option("--config", help="JSON of config fields laid over the manifest's.")]
+ManifestFile = Annotated[Optional[Path], typer.Option("--manifest", help="Manifest JSON (default: the bundled one).")]
+Seeds = Annotated[Optional[str], typer.Option("--seeds", help="Comma-separated seeds (default: the manifest's).")]
+Threads = Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: the runtime's own choice).")]
+MaxSeqLen = Annotated[int, typer.Option("--max-seq-len", help="Cache capacity of the exported model, in tokens.")]
+Repeats = Annotated[int, typer.Option("--repeats", help="Timed repetitions (decode steps) per implementation.")]
+
+
+def command(group: typer.Typer, name: Optional[str] = None) -> Callable[[Callable[..., int]], Callable[..., None]]:
+    """Register a command of group. Every command has one shape: it imports the module that does
+    its work inside the function (`pnmix --help` imports no torch), and returns the exit code;
+    errors become one line (one_line_errors)."""
+
+    def register(fn: Callable[..., int]) -> Callable[..., None]:
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> None:
+            raise typer.Exit(code=int(fn(*args, **kwargs) or 0))
+
+        return group.command(name)(one_line_errors(run))
+
+    return register
+
+
+# ---------------------------------------------------------------------------------------
 # reproduce
 # ---------------------------------------------------------------------------------------
 
 
-@app.command()
-@one_line_errors
+@command(app)
 def reproduce(
-    manifest: Optional[Path] = typer.Option(None, help="Manifest JSON (default: the bundled one)."),
-    config: Optional[Path] = typer.Option(None, help="JSON of config fields laid over the manifest's."),
-    seeds: Optional[str] = typer.Option(None, help="Comma-separated seeds (default: the manifest's)."),
+    manifest: ManifestFile = None,
+    config: ConfigFile = None,
+    seeds: Seeds = None,
     device: str = typer.Option("cpu", help="cpu or cuda."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
-) -> None:
+    json_path: JsonOut = None,
+) -> int:
     """Run the diagnostic protocol with the PyTorch reference and compare with the manifest."""
     from .config import run_config
+    from .io import JsonReport
     from .manifest import compare, load_manifest
     from .protocol import aggregate, run_record
     from .verify import run_seeds
 
-    if json_path is not None:
-        from .io import check_output_path
-
-        check_output_path(json_path)
+    report_file = JsonReport(json_path)
     data = load_manifest(manifest)
     run = run_config(data, config)
     seed_list = parse_seeds(seeds, data["seeds"])
@@ -152,19 +181,16 @@ def reproduce(
     for r in results:
         console.print(f"seed {r.seed}: {r.runtime['elapsed_seconds']:.3f} s on {r.runtime['accelerator_model']}")
     passed = not any(row.failed for row in rows)
-    if json_path is not None:
-        from .io import write_json_atomic
-
-        write_json_atomic(json_path, {
-            "method": "pn-mix",
-            "passed": passed,
-            "seeds": seed_list,
-            "metrics": ours,
-            "runs": records,
-            "comparison": [{"metric": r.metric, "verdict": r.verdict} for r in rows],
-        })
+    report_file.write({
+        "method": "pn-mix",
+        "passed": passed,
+        "seeds": seed_list,
+        "metrics": ours,
+        "runs": records,
+        "comparison": [{"metric": r.metric, "verdict": r.verdict} for r in rows],
+    })
     console.print("[green]PASS[/]" if passed else "[bold red]FAIL[/]: see MISMATCH rows")
-    raise typer.Exit(code=0 if passed else FAIL_EXIT)
+    return 0 if passed else FAIL_EXIT
 
 
 # ---------------------------------------------------------------------------------------
@@ -172,25 +198,25 @@ def reproduce(
 # ---------------------------------------------------------------------------------------
 
 
-@app.command()
-@one_line_errors
+@command(app)
 def verify(
     backend: Optional[str] = typer.Option(None, help="torch, core, triton or cuda."),
     onnx: Optional[Path] = typer.Option(None, help="Verify this ONNX file with ONNX Runtime."),
     engine: Optional[Path] = typer.Option(None, help="Verify this TensorRT engine (plan)."),
     plugins: Optional[Path] = typer.Option(None, help="The TensorRT plugin library, with --engine."),
-    manifest: Optional[Path] = typer.Option(None, help="Manifest JSON (default: the bundled one)."),
-    config: Optional[Path] = typer.Option(None, help="JSON of config fields laid over the manifest's."),
-    seeds: Optional[str] = typer.Option(None, help="Comma-separated seeds (default: the manifest's)."),
+    manifest: ManifestFile = None,
+    config: ConfigFile = None,
+    seeds: Seeds = None,
     device: str = typer.Option("cpu", help="cpu or cuda (triton on cuda, engine always cuda)."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report here."),
-    model: Optional[str] = typer.Option(None, help="With --onnx or --engine: the LLM the file was exported from (HF folder, .gguf, packaged name)."),
+    json_path: JsonOut = None,
+    model: Optional[str] = typer.Option(None, help=f"With --onnx or --engine: the LLM the file was exported from ({MODEL_KINDS})."),
     text: Optional[Path] = typer.Option(None, help="With --model: the text whose tokens are fed (default: the bundled one)."),
     prompt_tokens: int = typer.Option(32, help="With --model: prompt tokens (one prefill)."),
     decode_tokens: int = typer.Option(8, help="With --model: greedy decode steps checked."),
-) -> None:
+) -> int:
     """Run the protocol through one backend and compare it with the PyTorch reference."""
     from .config import run_config
+    from .io import JsonReport
     from .manifest import load_manifest
     from .verify import verify as run_verify
 
@@ -203,9 +229,10 @@ def verify(
         if (onnx is None) == (engine is None) or backend:
             raise PnMixError("--model verifies an exported LLM file or its engine: give it with --onnx FILE or "
                              "--engine PLAN, not both")
-        _call("pnmix.verify.llm", "verify_llm_command", onnx_path=onnx, model=model, text=text,
-              prompt_tokens=prompt_tokens, decode_tokens=decode_tokens, json_path=json_path, engine=engine,
-              plugins=plugins)
+        from .verify.llm import verify_llm_command
+
+        return verify_llm_command(onnx_path=onnx, model=model, text=text, prompt_tokens=prompt_tokens,
+                                  decode_tokens=decode_tokens, json_path=json_path, engine=engine, plugins=plugins)
     chosen = [name for name, given in (("backend", backend), ("onnx", onnx), ("engine", engine)) if given]
     if len(chosen) != 1:
         raise PnMixError("give exactly one of --backend NAME, --onnx MODEL or --engine PLAN")
@@ -225,19 +252,13 @@ def verify(
             device = "cuda"  # the CUDA kernels run on the GPU only
     if name != "engine":
         check_device(device)
-    if json_path is not None:
-        from .io import check_output_path
-
-        check_output_path(json_path)
+    report_file = JsonReport(json_path)
     data = load_manifest(manifest)
     run = run_config(data, config)
     report = run_verify(name, run, data, parse_seeds(seeds, data["seeds"]), device, **options)
     _print_verify(report)
-    if json_path is not None:
-        from .io import write_json_atomic
-
-        write_json_atomic(json_path, report)
-    raise typer.Exit(code=0 if report["passed"] else FAIL_EXIT)
+    report_file.write(report)
+    return 0 if report["passed"] else FAIL_EXIT
 
 
 def _print_verify(report: dict) -> None:
@@ -260,139 +281,138 @@ def _print_verify(report: dict) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-def _call(module: str, function: str, **kwargs: Any) -> None:
-    """Import module lazily and run its command function; it returns the exit code."""
-    import importlib
-
-    code = getattr(importlib.import_module(module), function)(**kwargs)
-    raise typer.Exit(code=int(code or 0))
-
-
-@app.command()
-@one_line_errors
+@command(app)
 def export(
     output: Path = typer.Option(..., "-o", "--output", help="The ONNX file to write."),
-    config: Optional[Path] = typer.Option(None, help="JSON of config fields laid over the manifest's."),
-    manifest: Optional[Path] = typer.Option(None, help="Manifest JSON (default: the bundled one)."),
-    max_seq_len: int = typer.Option(defaults.EXPORT_MAX_SEQ_LEN, help="Cache capacity in tokens."),
+    config: ConfigFile = None,
+    manifest: ManifestFile = None,
+    max_seq_len: MaxSeqLen = defaults.EXPORT_MAX_SEQ_LEN,
     batch: int = typer.Option(defaults.EXPORT_BATCH, help="Batch size of the cache state."),
     opset: int = typer.Option(defaults.EXPORT_OPSET, help="ONNX default-domain opset."),
     seed: int = typer.Option(defaults.MODEL_SEED, help="Seed of the diagnostic model's weights."),
-    model: Optional[str] = typer.Option(None, help="A Llama-family LLM (HF folder, .gguf file, packaged name) instead of the diagnostic model."),
+    model: Optional[str] = typer.Option(None, help=f"A Llama-family LLM ({MODEL_KINDS}) instead of the diagnostic model."),
     dtype: str = typer.Option("fp32", help="With --model: fp32 or fp16 weights."),
-) -> None:
+) -> int:
     """Export the diagnostic model, or with --model a whole LLM, with pn-mix custom ops to ONE ONNX file."""
     if model is not None:
         if (batch, opset, seed, manifest) != (defaults.EXPORT_BATCH, defaults.EXPORT_OPSET, defaults.MODEL_SEED, None):
             raise PnMixError("--batch, --opset, --seed and --manifest are options of the diagnostic model; "
                              "an LLM file (--model) has batch 1, opset 18 and the model's weights")
-        _call("pnmix.export.llm", "export_llm_command", model=model, output=output,
-              max_seq_len=max_seq_len, config=config, dtype=dtype)
-    _call("pnmix.export.exporter", "export_command", output=output, config=config, manifest=manifest,
-          max_seq_len=max_seq_len, batch=batch, opset=opset, seed=seed)
+        from .export.llm import export_llm_command
+
+        return export_llm_command(model=model, output=output, max_seq_len=max_seq_len, config=config, dtype=dtype)
+    from .export.exporter import export_command
+
+    return export_command(output=output, config=config, manifest=manifest, max_seq_len=max_seq_len, batch=batch,
+                          opset=opset, seed=seed)
 
 
-@app.command()
-@one_line_errors
+@command(app)
 def generate(
     model: Path = typer.Argument(..., help="An LLM file from `pnmix export --model`."),
-    tokenizer: str = typer.Option(..., help="The model whose tokenizer to use (HF folder, .gguf, packaged name)."),
+    tokenizer: str = typer.Option(..., help=f"The model whose tokenizer to use ({MODEL_KINDS})."),
     prompt: Optional[str] = typer.Option(None, help="The prompt text."),
     prompt_file: Optional[Path] = typer.Option(None, help="A UTF-8 file holding the prompt."),
     max_new_tokens: int = typer.Option(32, help="Tokens to generate (greedy)."),
-    threads: Optional[int] = typer.Option(None, help="CPU threads (default: ONNX Runtime's)."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the text and figures here."),
-) -> None:
+    threads: Threads = None,
+    json_path: JsonOut = None,
+) -> int:
     """Greedy generation from an exported LLM file in ONNX Runtime with the packed cache."""
-    _call("pnmix.generate", "generate_command", model=model, tokenizer=tokenizer, prompt=prompt,
-          prompt_file=prompt_file, max_new_tokens=max_new_tokens, json_path=json_path, threads=threads)
+    from .generate import generate_command
+
+    return generate_command(model=model, tokenizer=tokenizer, prompt=prompt, prompt_file=prompt_file,
+                            max_new_tokens=max_new_tokens, json_path=json_path, threads=threads)
 
 
-@bench_app.command("decode")
-@one_line_errors
+@command(bench_app, "decode")
 def bench_decode(
     context: int = typer.Option(defaults.DECODE_CONTEXT, help="Tokens in the cache."),
     batch: int = typer.Option(defaults.DECODE_BATCH, help="Batch size."),
     q_heads: int = typer.Option(defaults.DECODE_Q_HEADS, help="Query heads."),
     kv_heads: int = typer.Option(defaults.DECODE_KV_HEADS, help="KV heads."),
     head_dim: int = typer.Option(defaults.DECODE_HEAD_DIM, help="Head dimension."),
-    threads: Optional[int] = typer.Option(None, help="CPU threads (default: all cores)."),
+    threads: Threads = None,
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
     impls: Optional[str] = typer.Option(None, help="Comma-separated implementations (default: all available)."),
-    repeats: int = typer.Option(defaults.BENCH_REPEATS, help="Timed repetitions per implementation."),
-    config: Optional[Path] = typer.Option(None, help="JSON of config fields laid over the manifest's."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
+    repeats: Repeats = defaults.BENCH_REPEATS,
+    config: ConfigFile = None,
+    json_path: JsonOut = None,
     rounds: int = typer.Option(1, help="Time every implementation this many times, in alternating order "
                                        "(a shared machine's load bursts then fall on several); the median round counts."),
-) -> None:
+) -> int:
     """Median time per decode-attention step, cache bytes and bytes read, per implementation."""
-    _call("pnmix.bench.decode", "decode_command", context=context, batch=batch, q_heads=q_heads,
-          kv_heads=kv_heads, head_dim=head_dim, threads=threads, device=device, impls=impls,
-          repeats=repeats, config=config, json_path=json_path, rounds=rounds)
+    from .bench.decode import decode_command
+
+    return decode_command(context=context, batch=batch, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+                          threads=threads, device=device, impls=impls, repeats=repeats, config=config,
+                          json_path=json_path, rounds=rounds)
 
 
-@bench_app.command("generate")
-@one_line_errors
+@command(bench_app, "generate")
 def bench_generate(
-    model: str = typer.Option("smollm2-135m", help="A Hugging Face folder, a .gguf file or a packaged model name."),
+    model: str = typer.Option("smollm2-135m", help=f"The LLM ({MODEL_KINDS})."),
     contexts: str = typer.Option("1024,4096,8192", help="Comma-separated prompt lengths in tokens."),
     new_tokens: int = typer.Option(64, help="Timed decode steps per cache and context."),
-    threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's)."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
-) -> None:
+    threads: Threads = None,
+    json_path: JsonOut = None,
+) -> int:
     """Decode tokens/s and cache memory: DynamicCache, QuantizedCache (quanto 4-bit), PnMixCache."""
-    _call("pnmix.bench.generate", "generate_command", model=model, contexts=contexts, new_tokens=new_tokens,
-          threads=threads, json_path=json_path)
+    from .bench.generate import generate_command as bench_generate_command
+
+    return bench_generate_command(model=model, contexts=contexts, new_tokens=new_tokens, threads=threads,
+                                  json_path=json_path)
 
 
-@bench_app.command("onnx")
-@one_line_errors
+@command(bench_app, "onnx")
 def bench_onnx(
-    max_seq_len: int = typer.Option(defaults.EXPORT_MAX_SEQ_LEN, help="Cache capacity of the exported model."),
+    max_seq_len: MaxSeqLen = defaults.EXPORT_MAX_SEQ_LEN,
     context: Optional[int] = typer.Option(None, help="Tokens in the cache when timing (default: max_seq_len - 1)."),
-    repeats: int = typer.Option(defaults.BENCH_REPEATS, help="Timed decode steps."),
-    model: Optional[str] = typer.Option(None, help="An exported diagnostic .onnx file (default: export one), or an LLM (HF folder, .gguf, packaged name)."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
+    repeats: Repeats = defaults.BENCH_REPEATS,
+    model: Optional[str] = typer.Option(None, help=f"An exported diagnostic .onnx file (default: export one), or an LLM ({MODEL_KINDS})."),
+    json_path: JsonOut = None,
     contexts: str = typer.Option("512,2048,4096", help="With an LLM: contexts to time at."),
     peer: str = typer.Option("auto", help="With an LLM: auto (build with onnxruntime-genai), none, or a builder output folder."),
     onnx: Optional[Path] = typer.Option(None, help="With an LLM: its file from `pnmix export --model` (default: export one)."),
-) -> None:
+) -> int:
     """Export time, file size and ONNX Runtime CPU time per decode step vs the PyTorch reference."""
     from .bench.onnx_llm import names_an_llm
 
     if model is not None and names_an_llm(model):
-        _call("pnmix.bench.onnx_llm", "bench_llm_command", model=model, contexts=contexts, repeats=repeats,
-              onnx_path=onnx, peer=peer, json_path=json_path)
-    model = Path(model) if model is not None else None
-    _call("pnmix.bench.onnx", "bench_command", max_seq_len=max_seq_len, context=context,
-          repeats=repeats, model=model, json_path=json_path)
+        from .bench.onnx_llm import bench_llm_command
+
+        return bench_llm_command(model=model, contexts=contexts, repeats=repeats, onnx_path=onnx, peer=peer,
+                                 json_path=json_path)
+    from .bench.onnx import bench_command
+
+    return bench_command(max_seq_len=max_seq_len, context=context, repeats=repeats,
+                         model=Path(model) if model is not None else None, json_path=json_path)
 
 
-@app.command()
-@one_line_errors
-def doctor(json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report here.")) -> None:
+@command(app)
+def doctor(json_path: JsonOut = None) -> int:
     """List each backend as available or not, with the reason, and self-check the available ones."""
-    _call("pnmix.doctor", "doctor_command", json_path=json_path)
+    from .doctor import doctor_command
+
+    return doctor_command(json_path=json_path)
 
 
-@app.command("build-engine")
-@one_line_errors
+@command(app, "build-engine")
 def build_engine(
     model: Path = typer.Argument(..., help="The exported ONNX file."),
     plugins: Path = typer.Option(..., help="libpnmix_trt_plugins.so"),
     output: Path = typer.Option(..., "-o", "--output", help="The engine (plan) to write."),
     max_seq_len: Optional[int] = typer.Option(None, help="Largest prefill in the optimization profile (default: the model's capacity)."),
-) -> None:
+) -> int:
     """Build a TensorRT engine from the exported ONNX file with the pn-mix plugins (strongly typed:
     the file's fp16 K/V and cache, INT8 codes, fp32 attention)."""
-    _call("pnmix.backends.tensorrt.engine", "build_engine_command", model=model, plugins=plugins, output=output,
-          max_seq_len=max_seq_len)
+    from .backends.tensorrt.engine import build_engine_command
+
+    return build_engine_command(model=model, plugins=plugins, output=output, max_seq_len=max_seq_len)
 
 
-@app.command("eval")
-@one_line_errors
+@command(app, "eval")
 def eval_model(
-    model: Optional[str] = typer.Argument(None, help="A Hugging Face folder, a .gguf file, or smollm2-135m."),
+    model: Optional[str] = typer.Argument(None, help=f"The LLM ({MODEL_KINDS})."),
     methods: Optional[str] = typer.Option(None, help="Comma list of methods (default: all); 'list' prints them."),
     config: Optional[Path] = typer.Option(None, help="JSON of pn-mix config fields: one more method, 'config'."),
     task: str = typer.Option("kl", help="kl, passkey, or kl,passkey."),
@@ -404,13 +424,15 @@ def eval_model(
     trials: int = typer.Option(5, help="Seeded pass keys per (length, depth) cell."),
     seed: int = typer.Option(0, help="Seed of the pass keys."),
     dtype: str = typer.Option("fp32", help="fp32, fp16 or bf16 model weights."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
+    json_path: JsonOut = None,
     plot: Optional[Path] = typer.Option(None, help="Draw the figures into this PNG (needs matplotlib)."),
-) -> None:
+) -> int:
     """KV-cache methods (pn-mix, KIVI, uniform, quanto) on a real model vs full precision: KL, perplexity, passkey."""
-    _call("pnmix.hf.evaluate", "eval_command", model=model, methods=methods, config=config, task=task,
-          contexts=contexts, decode_tokens=decode_tokens, text=text, lengths=lengths, depths=depths,
-          trials=trials, seed=seed, dtype=dtype, json_path=json_path, plot=plot)
+    from .hf.evaluate import eval_command
+
+    return eval_command(model=model, methods=methods, config=config, task=task, contexts=contexts,
+                        decode_tokens=decode_tokens, text=text, lengths=lengths, depths=depths, trials=trials,
+                        seed=seed, dtype=dtype, json_path=json_path, plot=plot)
 
 
 def main_entry() -> int:
@@ -420,7 +442,11 @@ def main_entry() -> int:
     exit code, and SIGTERM/SIGHUP end a command through its cleanup (no temporary files)."""
     import typer.core
 
-    click = getattr(typer.core, "_click", None) or typer.core.click  # newer Typer vendors click
+    click: Any = getattr(typer.core, "_click", None)  # newer Typer vendors click
+    if click is None:
+        import click as installed_click
+
+        click = installed_click
     for signum in ENDING_SIGNALS:
         signal.signal(signum, _raise_terminated)
     sys.stdout, sys.stderr = PipeSafeStream(sys.stdout), PipeSafeStream(sys.stderr)

@@ -338,6 +338,21 @@ def write_json_atomic(path: str | Path, obj: Any) -> Path:
     return write_bytes_atomic(path, _json_bytes(obj))
 
 
+class JsonReport:
+    """A command's ``--json`` report. Created before the work, it checks the path then, so that a
+    path that could not be written fails at once and not after a long run; ``write`` writes the
+    report atomically at the end. Without a path (no ``--json``) both do nothing."""
+
+    def __init__(self, path: str | Path | None):
+        self.path = None if path is None else Path(path)
+        if self.path is not None:
+            check_output_path(self.path)
+
+    def write(self, report: Any) -> None:
+        if self.path is not None:
+            write_json_atomic(self.path, report)
+
+
 def _json_bytes(obj: Any) -> bytes:
     return (json.dumps(obj, indent=2, default=_jsonable) + "\n").encode()
 
