@@ -263,18 +263,16 @@ def print_components(components: List[Component]) -> None:
 
 def doctor_command(json_path: Optional[Path] = None) -> int:
     """The CLI's `pnmix doctor`: 0 when every available component passes its self-check, else 1."""
-    from .io import check_output_path, write_json_atomic
+    from .io import JsonReport
 
-    if json_path is not None:
-        check_output_path(json_path)  # before the self-checks, not after them
+    report_file = JsonReport(json_path)  # checks the path before the self-checks, not after them
     components = run_doctor()
     print_components(components)
     passed = all(c.check != "FAIL" for c in components)
-    if json_path is not None:
-        write_json_atomic(json_path, {
-            "passed": passed,
-            "self_check_run": {"config": CHECK_RUN.config.to_dict(), "prefill_tokens": CHECK_RUN.prefill_tokens,
-                               "decode_tokens": CHECK_RUN.decode_tokens, "seed": CHECK_SEED},
-            "components": [asdict(c) for c in components],
-        })
+    report_file.write({
+        "passed": passed,
+        "self_check_run": {"config": CHECK_RUN.config.to_dict(), "prefill_tokens": CHECK_RUN.prefill_tokens,
+                           "decode_tokens": CHECK_RUN.decode_tokens, "seed": CHECK_SEED},
+        "components": [asdict(c) for c in components],
+    })
     return 0 if passed else 1

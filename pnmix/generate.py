@@ -24,10 +24,9 @@ def read_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> str:
 def generate_command(model: Path, tokenizer: str, prompt: Optional[str], prompt_file: Optional[Path],
                      max_new_tokens: int, json_path: Optional[Path], threads: Optional[int] = None) -> int:
     from .hf.models import load_tokenizer, resolve_model
-    from .io import check_output_path, write_json_atomic
+    from .io import JsonReport
 
-    if json_path is not None:
-        check_output_path(json_path)
+    report_file = JsonReport(json_path)
     if max_new_tokens < 1:
         raise PnMixError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     text = read_prompt(prompt, prompt_file)
@@ -56,8 +55,7 @@ def generate_command(model: Path, tokenizer: str, prompt: Optional[str], prompt_
     print(f"prefill {len(ids)} tokens: {rate_text(report['prefill_tokens_per_s'])} tokens/s; decode "
           f"{decode_steps} tokens: {rate_text(report['decode_tokens_per_s'])} tokens/s ({session.provider}); "
           f"packed cache {report['persistent_cache_bytes']} bytes used, {report['allocated_bytes']} allocated")
-    if json_path is not None:
-        write_json_atomic(json_path, report)
+    report_file.write(report)
     return 0
 
 

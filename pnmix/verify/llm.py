@@ -41,6 +41,7 @@ import torch
 
 from pnmix.errors import PnMixError
 from pnmix.format import STATE_DTYPES, STATE_NAMES
+from pnmix.io import JsonReport
 
 from pnmix.backends.onnxruntime.llm_session import LlmSession
 from pnmix.export.llm_file import check_tokenizer, read_llm_info
@@ -246,10 +247,7 @@ def verify_llm_command(onnx_path: Optional[Path], model: str, text: Optional[Pat
                        plugins: Optional[Path] = None) -> int:
     """`pnmix verify --onnx FILE --model MODEL`, or `--engine PLAN`: the TensorRT engine built from
     such a file, checked the same way (pnmix.backends.tensorrt.llm_session)."""
-    from pnmix.io import check_output_path
-
-    if json_path is not None:
-        check_output_path(json_path)
+    report_file = JsonReport(json_path)
     session = None
     if engine is not None:
         from pnmix.backends.tensorrt.llm_session import EngineLlmSession
@@ -257,13 +255,11 @@ def verify_llm_command(onnx_path: Optional[Path], model: str, text: Optional[Pat
         session = EngineLlmSession(engine, plugins)
         onnx_path = session.info.path
     report = verify_llm(Path(onnx_path), model, text, prompt_tokens, decode_tokens, session=session)
-    return print_and_write(report, json_path)
+    return print_and_write(report, report_file)
 
 
-def print_and_write(report: Dict[str, Any], json_path: Optional[Path]) -> int:
+def print_and_write(report: Dict[str, Any], report_file: JsonReport) -> int:
     """The steps, the verdict and the JSON report of verify_llm; the exit code."""
-    from pnmix.io import write_json_atomic
-
     run = report["runs"][0]
     runtime = run["runtime"]["name"]
 
@@ -283,6 +279,5 @@ def print_and_write(report: Dict[str, Any], json_path: Optional[Path]) -> int:
           f"logits max|diff| prefill {run['max_abs_diff_prefill_logits']:.3g} (tolerance {report['tolerance']:g}), "
           f"decode {run['max_abs_diff_decode_logits']:.3g} (tolerance {run['decode_tolerance']:g})")
     print("PASS" if report["passed"] else "FAIL")
-    if json_path is not None:
-        write_json_atomic(json_path, report)
+    report_file.write(report)
     return 0 if report["passed"] else 1
