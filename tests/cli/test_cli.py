@@ -143,3 +143,84 @@ def test_verify_fails_a_backend_that_differs_from_the_reference(monkeypatch, cha
 def test_verify_needs_exactly_one_backend():
     code, text = run_cli("verify")
     assert code == 2 and "exactly one" in text
+
+
+# ---------------------------------------------------------------------------------------
+# The options the commands share, and the --json report
+# ---------------------------------------------------------------------------------------
+
+
+def commands(group=None, prefix=()):
+    """{"bench decode": click command, ...}: every command of the app, its groups walked."""
+    import typer
+
+    group = group or typer.main.get_command(app)
+    found = {}
+    for name, cmd in group.commands.items():
+        if hasattr(cmd, "commands"):  # a group (Typer may vendor click: no isinstance)
+            found.update(commands(cmd, (*prefix, name)))
+        else:
+            found[" ".join((*prefix, name))] = cmd
+    return found
+
+
+def option(cmd, name):
+    return next((p for p in cmd.params if p.name == name), None)
+
+
+def test_every_json_option_is_the_shared_one():
+    from pnmix.cli import JSON_HELP
+
+    with_json = {name for name, cmd in commands().items() if option(cmd, "json_path") is not None}
+    assert with_json == {"reproduce", "verify", "generate", "doctor", "eval",
+                         "bench decode", "bench generate", "bench onnx"}
+    for name in with_json:
+        param = option(commands()[name], "json_path")
+        assert param.opts == ["--json"] and param.help == JSON_HELP, name
+    code, text = run_cli("doctor", "--help")
+    assert code == 0 and JSON_HELP in text
+
+
+def test_the_config_of_config_fields_is_one_option_and_model_is_spelled_once():
+    from pnmix.cli import MODEL_KINDS
+
+    found = commands()
+    helps = {name: option(found[name], "config").help for name in ("reproduce", "verify", "export", "bench decode")}
+    assert len(set(helps.values())) == 1, helps
+    for name, param in (("verify", "model"), ("export", "model"), ("generate", "tokenizer"),
+                        ("bench generate", "model"), ("bench onnx", "model"), ("eval", "model")):
+        assert MODEL_KINDS in option(found[name], param).help, name
+    threads = {option(found[name], "threads").help for name in ("generate", "bench decode", "bench generate")}
+    assert len(threads) == 1
+
+
+def test_a_bad_json_path_fails_before_the_work(monkeypatch, tmp_path):
+    import pnmix.doctor
+
+    def never():
+        raise AssertionError("the work ran before the --json path was checked")
+
+    monkeypatch.setattr(pnmix.doctor, "run_doctor", never)
+    code, text = run_cli("doctor", "--json", tmp_path / "missing" / "d.json")
+    assert code == 2 and "does not exist" in text and len(text.strip().splitlines()) == 1
+
+
+def test_json_report_checks_its_path_at_once_and_writes_atomically(tmp_path):
+    from pnmix.errors import PnMixError
+    from pnmix.io import JsonReport
+
+    with pytest.raises(PnMixError, match="does not exist"):
+        JsonReport(tmp_path / "missing" / "r.json")
+    with pytest.raises(PnMixError, match="directory"):
+        JsonReport(tmp_path)
+    JsonReport(None).write({"written": "nowhere"})  # no --json: nothing to do
+    assert list(tmp_path.iterdir()) == []
+    out = tmp_path / "r.json"
+    report = JsonReport(out)
+    assert not out.exists()  # created before the work, written after it
+    report.write({"passed": True})
+    assert json.loads(out.read_text()) == {"passed": True}
+    with pytest.raises(TypeError):  # a report that cannot be written leaves the old one whole
+        report.write({"passed": object()})
+    assert json.loads(out.read_text()) == {"passed": True}
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # no temporary file left
