@@ -27,7 +27,8 @@ import torch
 from . import reference
 from .config import PnMixConfig
 from .errors import PnMixError
-from .format import STATE_NAMES, CacheLayout, checked_state, pack_pair_mask
+from .format import STATE_NAMES, CacheLayout, checked_state
+from .packing import pack_pair_mask
 
 State = Dict[str, torch.Tensor]
 
@@ -230,7 +231,7 @@ class PackedKVCache:
         return reference.dequantize_cache(self.layout, self.state, self.seq_len)
 
     def pair_mask(self) -> torch.Tensor:
-        from .format import unpack_pair_mask
+        from .packing import unpack_pair_mask
 
         return unpack_pair_mask(self.state["pair_mask"], self.layout.kv_heads, self.layout.pairs)
 

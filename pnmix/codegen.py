@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import List
 
-from . import config
+from . import config, dump
 from . import format as fmt
 
 HEADER = Path(__file__).resolve().parent.parent / "plugins" / "include" / "pnmix" / "generated.h"
@@ -64,7 +64,7 @@ def render() -> str:
     lines += _macro("PNMIX_CONFIG_INT_RANGES", ranges, "X(name, lo, hi): the range of each integer field")
     lines += ["/* Limits every reader applies (docs/FORMAT.md 1.1). */"]
     lines += [f"#define PNMIX_{name} {_literal(getattr(config, name))}" for name in _LIMITS]
-    lines += [f"#define PNMIX_DUMP_SLACK_BYTES {_literal(fmt.DUMP_SLACK_BYTES)}", ""]
+    lines += [f"#define PNMIX_DUMP_SLACK_BYTES {_literal(dump.DUMP_SLACK_BYTES)}", ""]
     limits = [f"X({name.lower()}, PNMIX_{name})" for name in (*_LIMITS, "DUMP_SLACK_BYTES")]
     lines += _macro("PNMIX_LIMITS", limits, "X(name, macro) per limit (pnmix_core_limit's names)")
     layouts = [f'X({code}, {name.upper()}, "{name}")' for code, name in enumerate(config.PAIR_LAYOUTS)]
@@ -77,12 +77,12 @@ def render() -> str:
     lines += _macro("PNMIX_STATE_TENSORS", state, "X(index, NAME, name, element bytes, ONNX/TensorRT type) per "
                     "state tensor, in STATE_NAMES order")
     lines += [f"#define PNMIX_NUM_STATE {len(fmt.STATE_NAMES)}", ""]
-    offsets = fmt.dump_header_offsets()
+    offsets = dump.dump_header_offsets()
     lines += ["/* The .pnkv header (docs/FORMAT.md section 6): magic, version, size, field offsets. */",
-              f'#define PNMIX_DUMP_MAGIC "{fmt.DUMP_MAGIC.decode()}"',
-              f"#define PNMIX_DUMP_VERSION {fmt.DUMP_VERSION}",
-              f"#define PNMIX_DUMP_HEADER_BYTES {fmt.DUMP_HEADER_BYTES}"]
-    lines += [f"#define PNMIX_DUMP_AT_{name.upper()} {offsets[name]}" for name, _ in fmt.DUMP_HEADER_FIELDS]
+              f'#define PNMIX_DUMP_MAGIC "{dump.DUMP_MAGIC.decode()}"',
+              f"#define PNMIX_DUMP_VERSION {dump.DUMP_VERSION}",
+              f"#define PNMIX_DUMP_HEADER_BYTES {dump.DUMP_HEADER_BYTES}"]
+    lines += [f"#define PNMIX_DUMP_AT_{name.upper()} {offsets[name]}" for name, _ in dump.DUMP_HEADER_FIELDS]
     lines += ["", "/* The TensorRT plugins: names, version, namespace (export/ops.py). */",
               f'#define PNMIX_PLUGIN_VERSION "{ops.PLUGIN_VERSION}"',
               f'#define PNMIX_PLUGIN_NAMESPACE "{ops.PLUGIN_NAMESPACE}"',

@@ -94,7 +94,7 @@ def check_torch() -> Component:
     c = Component("torch (reference)", True, f"torch {torch.__version__}")
 
     def check():
-        from .format import dump_state, load_state
+        from .dump import dump_state, load_state
 
         dump = _reference().packed  # the final cache as a .pnkv dump
         layout, state, seq_len = load_state(dump)

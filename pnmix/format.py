@@ -1,15 +1,15 @@
-"""The packed cache format: layout, byte accounting, bit packing and the .pnkv dump.
+"""The packed cache format: the layout of the state tensors, their byte accounting and the checks
+of a state given as tensors.
 
-This module is the single Python statement of docs/FORMAT.md. Everything else (the cache, the
-reference kernels, the ONNX exporter, the backends) asks it for shapes, offsets and bytes;
+This module is the single Python statement of docs/FORMAT.md sections 1-3 and 5 (pnmix.packing holds
+the bit streams, pnmix.dump the .pnkv dump of section 6). Everything else (the cache, the reference
+kernels, the ONNX exporter, the backends) asks it for shapes, offsets and bytes;
 ``plugins/include/pnmix/format.h`` is the C++ statement of the same document.
 
 Conventions (see docs/FORMAT.md for the full text):
-* Bit streams are LSB-first: code i of a b-bit stream occupies stream bits [i*b, (i+1)*b), and
-  stream bit k is bit (k % 8) of byte k // 8. A code may straddle two bytes (b = 3, 5, 6, 7).
 * Keys of one group and KV head: channel after channel in natural channel order; channel c holds
-  its ``group_size`` token codes at ``bits(c)`` bits each, so its byte offset is
-  ``group_size / 8 * sum(bits(c') for c' < c)``.
+  its ``group_size`` token codes at ``bits(c)`` bits each (pnmix.packing's LSB-first streams), so its
+  byte offset is ``group_size / 8 * sum(bits(c') for c' < c)``.
 * Values: one stream of ``head_dim`` codes per token and KV head.
 * The pair mask: bit ``h * P + p`` set when pair p of KV head h is high.
 """
@@ -18,49 +18,17 @@ from __future__ import annotations
 
 import math
 import operator
-import struct
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, Mapping, NamedTuple, Tuple
+from typing import Any, Dict, Mapping, NamedTuple, Tuple
 
 import torch
 
-from .config import (
-    CONFIG_FIELDS, MAX_BATCH, MAX_HEAD_DIM, MAX_KV_HEADS, MAX_SEQ_LEN, MAX_STATE_TENSOR_BYTES, PAIR_LAYOUTS, PnMixConfig,
-)
+from .config import MAX_BATCH, MAX_HEAD_DIM, MAX_KV_HEADS, MAX_SEQ_LEN, MAX_STATE_TENSOR_BYTES, PAIR_LAYOUTS, PnMixConfig
 from .errors import PnMixError, one_line
+from .packing import pack_codes, unpack_codes
 
 # ---------------------------------------------------------------------------------------
-# Bit packing (dense, LSB-first)
-# ---------------------------------------------------------------------------------------
-
-
-def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack unsigned codes [..., n] (each < 2**bits) into uint8 [..., n * bits / 8]."""
-    n = codes.shape[-1]
-    if (n * bits) % 8:
-        raise PnMixError(f"cannot pack {n} codes of {bits} bits densely into whole bytes")
-    shifts = torch.arange(bits, device=codes.device, dtype=torch.int32)
-    stream = (codes.to(torch.int32).unsqueeze(-1) >> shifts) & 1  # [..., n, bits]
-    stream = stream.reshape(*codes.shape[:-1], n * bits // 8, 8)
-    weights = (1 << torch.arange(8, device=codes.device, dtype=torch.int32))
-    return (stream * weights).sum(-1).to(torch.uint8)
-
-
-def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """Inverse of pack_codes: uint8 [..., n * bits / 8] -> uint8 codes [..., n]."""
-    if packed.shape[-1] * 8 != n * bits:
-        raise PnMixError(
-            f"packed stream of {packed.shape[-1]} bytes does not hold {n} codes of {bits} bits"
-        )
-    raw = packed.to(torch.int32)
-    shifts = torch.arange(8, device=packed.device, dtype=torch.int32)
-    stream = ((raw.unsqueeze(-1) >> shifts) & 1).reshape(*packed.shape[:-1], n, bits)
-    weights = (1 << torch.arange(bits, device=packed.device, dtype=torch.int32))
-    return (stream * weights).sum(-1).to(torch.uint8)
-
-
-# ---------------------------------------------------------------------------------------
-# The pair mask and per-channel bit widths
+# Pairs of channels
 # ---------------------------------------------------------------------------------------
 
 
@@ -72,22 +40,6 @@ def channel_pairs(head_dim: int, pair_layout: str) -> torch.Tensor:
     if pair_layout == "half":
         return channels % (head_dim // 2)
     raise PnMixError(f"pair_layout must be one of {', '.join(PAIR_LAYOUTS)}, got {pair_layout!r}")
-
-
-def pack_pair_mask(high_pairs: torch.Tensor) -> torch.Tensor:
-    """bool [B, H, P] -> uint8 [B, ceil(H*P/8)], bit h*P + p LSB-first."""
-    batch = high_pairs.shape[0]
-    flat = high_pairs.reshape(batch, -1).to(torch.uint8)
-    nbits = flat.shape[1]
-    padded = torch.zeros(batch, math.ceil(nbits / 8) * 8, dtype=torch.uint8, device=flat.device)
-    padded[:, :nbits] = flat
-    return pack_codes(padded, 1)
-
-
-def unpack_pair_mask(mask_bytes: torch.Tensor, kv_heads: int, pairs: int) -> torch.Tensor:
-    """uint8 [B, ceil(H*P/8)] -> bool [B, H, P]."""
-    bits = unpack_codes(mask_bytes, 1, mask_bytes.shape[-1] * 8)
-    return bits[:, : kv_heads * pairs].reshape(-1, kv_heads, pairs).bool()
 
 
 # ---------------------------------------------------------------------------------------
@@ -227,8 +179,7 @@ class CacheLayout:
             "pair_mask": (b, self.mask_bytes),
         }
 
-
-    def check_state(self, tensors: Mapping[str, Any]) -> None:
+    def check_state_shapes(self, tensors: Mapping[str, Any]) -> None:
         """Every state tensor present, of its capacity shape and of its dtype's element size (torch
         tensors or numpy arrays; codes and mask may come as int8): what a consumer of a state dict
         checks before it reads one. A one-line PnMixError names the first tensor that is not."""
@@ -347,117 +298,8 @@ class CacheLayout:
 
 
 # ---------------------------------------------------------------------------------------
-# The .pnkv dump: a self-describing file of the persistent bytes (docs/FORMAT.md section 6)
+# A state given as tensors: the checks a .pnkv dump's reader also makes (pnmix.dump)
 # ---------------------------------------------------------------------------------------
-
-DUMP_MAGIC = b"PNKV"
-DUMP_VERSION = 1
-# The header's fields in file order with their struct codes (little-endian, no padding): the
-# one statement of the header (docs/FORMAT.md section 6). The C core reads the offsets from
-# generated.h (PNMIX_DUMP_AT_*), which pnmix/codegen.py writes from this table.
-DUMP_HEADER_FIELDS: Tuple[Tuple[str, str], ...] = (
-    ("magic", "4s"), ("version", "H"), ("header_bytes", "H"),
-    ("group_size", "I"), ("residual_size", "I"), ("sink_tokens", "I"), ("value_group_size", "I"),
-    ("value_bits", "B"), ("key_high_bits", "B"), ("key_low_bits", "B"), ("pair_layout", "B"),
-    ("batch", "I"), ("kv_heads", "I"), ("head_dim", "I"), ("reserved0", "I"),
-    ("high_ratio", "d"), ("seq_len", "Q"), ("reserved1", "I"),
-)
-_DUMP_HEADER = struct.Struct("<" + "".join(code for _, code in DUMP_HEADER_FIELDS))
-DUMP_HEADER_BYTES = _DUMP_HEADER.size  # 64
-
-
-def dump_header_offsets() -> Dict[str, int]:
-    """Byte offset of each header field."""
-    offsets, at = {}, 0
-    for name, code in DUMP_HEADER_FIELDS:
-        offsets[name] = at
-        at += struct.calcsize("<" + code)
-    return offsets
-
-
-# Unused sink/residual capacity a loaded state may add beyond the file's own bytes (generated.h
-# PNMIX_DUMP_SLACK_BYTES).
-DUMP_SLACK_BYTES = 1 << 30
-
-
-def _dump_sections(layout: CacheLayout, seq_len: int) -> Iterator[Tuple[str, Tuple[int, ...]]]:
-    """(name, shape) of each stored section, in STATE_NAMES order, used part only."""
-    shapes = layout.state_shapes()
-    used = layout.used_slices(seq_len)
-    for name in STATE_NAMES:
-        probe = torch.empty(shapes[name], dtype=STATE_DTYPES[name], device="meta")[used[name]]
-        yield name, tuple(probe.shape)
-
-
-def dump_state(layout: CacheLayout, state: Dict[str, torch.Tensor], seq_len: int) -> bytes:
-    """Serialize the persistent part of a cache state (little-endian)."""
-    cfg = layout.config
-    fields = {**cfg.to_dict(), "magic": DUMP_MAGIC, "version": DUMP_VERSION, "header_bytes": DUMP_HEADER_BYTES,
-              "pair_layout": PAIR_LAYOUTS.index(cfg.pair_layout), "high_ratio": float(cfg.high_ratio),
-              "batch": layout.batch, "kv_heads": layout.kv_heads, "head_dim": layout.head_dim, "seq_len": seq_len,
-              "reserved0": 0, "reserved1": 0}
-    header = _DUMP_HEADER.pack(*(fields[name] for name, _ in DUMP_HEADER_FIELDS))
-    used = layout.used_slices(seq_len)
-    parts = [header]
-    for name in STATE_NAMES:
-        tensor = state[name][used[name]].contiguous().cpu()
-        parts.append(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
-    return b"".join(parts)
-
-
-def load_state(blob: bytes) -> Tuple[CacheLayout, Dict[str, torch.Tensor], int]:
-    """Parse a .pnkv dump; the layout's capacity is the dump's seq_len. Checks every size."""
-    if len(blob) < DUMP_HEADER_BYTES:
-        raise PnMixError(f"pnkv dump too short: {len(blob)} bytes, header needs {DUMP_HEADER_BYTES}")
-    header = dict(zip((name for name, _ in DUMP_HEADER_FIELDS), _DUMP_HEADER.unpack_from(blob)))
-    magic, version, header_bytes = header["magic"], header["version"], header["header_bytes"]
-    _reserved, _reserved2, layout_index = header["reserved0"], header["reserved1"], header["pair_layout"]
-    batch, kv_heads, head_dim, seq_len = header["batch"], header["kv_heads"], header["head_dim"], header["seq_len"]
-    sink_tokens, residual_size = header["sink_tokens"], header["residual_size"]
-    if magic != DUMP_MAGIC:
-        raise PnMixError(f"not a pnkv dump: magic {magic!r}, expected {DUMP_MAGIC!r}")
-    if version != DUMP_VERSION or header_bytes != DUMP_HEADER_BYTES:
-        raise PnMixError(f"unsupported pnkv dump version {version} (header {header_bytes} bytes)")
-    if _reserved or _reserved2:
-        raise PnMixError(f"pnkv dump has non-zero reserved header fields ({_reserved}, {_reserved2})")
-    if layout_index >= len(PAIR_LAYOUTS):
-        raise PnMixError(f"pnkv dump has an unknown pair_layout code {layout_index}")
-    if seq_len > MAX_SEQ_LEN:
-        raise PnMixError(f"pnkv dump claims an implausible seq_len {seq_len}")
-    config = PnMixConfig(**{name: header[name] for name in CONFIG_FIELDS if name != "pair_layout"},
-                         pair_layout=PAIR_LAYOUTS[layout_index])
-    layout = CacheLayout(config, batch, kv_heads, head_dim, max(seq_len, 1))
-    # The state holds full sink/residual rows; a 64-byte header must not make us allocate
-    # (or overflow torch's size arithmetic on) more than the file plus a bounded slack.
-    capacity = layout.state_bytes
-    if capacity > len(blob) + DUMP_SLACK_BYTES:
-        raise PnMixError(
-            f"pnkv dump header describes a {capacity}-byte state for a {len(blob)}-byte file "
-            f"(batch {batch}, kv_heads {kv_heads}, head_dim {head_dim}, sink_tokens {sink_tokens}, "
-            f"residual_size {residual_size}): implausible, refusing to allocate it"
-        )
-    sections = list(_dump_sections(layout, seq_len))
-    expected = DUMP_HEADER_BYTES + sum(
-        math.prod(shape) * torch.empty(0, dtype=STATE_DTYPES[name]).element_size()
-        for name, shape in sections
-    )
-    if len(blob) != expected:
-        raise PnMixError(
-            f"pnkv dump size mismatch: header describes {expected} bytes, file has {len(blob)}"
-        )
-    state = layout.empty_state()
-    used = layout.used_slices(seq_len)
-    cursor = DUMP_HEADER_BYTES
-    for name, shape in sections:
-        dtype = STATE_DTYPES[name]
-        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-        if nbytes:
-            raw = torch.frombuffer(bytearray(blob[cursor:cursor + nbytes]), dtype=torch.uint8)
-            state[name][used[name]] = raw.view(dtype).reshape(shape)
-        cursor += nbytes
-    if seq_len:
-        check_pair_mask(layout, state["pair_mask"], "pnkv dump")
-    return layout, state, seq_len
 
 
 def check_pair_mask(layout: CacheLayout, mask: torch.Tensor, what: str) -> None:
@@ -482,7 +324,7 @@ def checked_state(layout: CacheLayout, tensors: Mapping[str, Any], seq_len: Any,
     checked as load_state checks a dump: seq_len an integer (not a bool or a float) within the
     capacity; every tensor present, a torch tensor of its exact shape and dtype (codes and mask
     uint8 or int8, as export_state gives them; fp16 parts fp16, never other 16-bit types taken as
-    fp16 bits); then check_state. Returns the tensors viewed as STATE_DTYPES, and seq_len."""
+    fp16 bits); then check_state_values. Returns the tensors viewed as STATE_DTYPES, and seq_len."""
     if isinstance(seq_len, bool):
         raise PnMixError(f"{what}: seq_len must be an integer, got {seq_len!r}")
     try:
@@ -509,13 +351,14 @@ def checked_state(layout: CacheLayout, tensors: Mapping[str, Any], seq_len: Any,
             raise PnMixError(f"{what}: state tensor '{name}' has dtype {str(t.dtype).replace('torch.', '')}, "
                              f"expected {allowed}")
         state[name] = t.view(want)
-    check_state(layout, state, seq_len, what)
+    check_state_values(layout, state, seq_len, what)
     return state, seq_len
 
 
-def check_state(layout: CacheLayout, state: Dict[str, torch.Tensor], seq_len: int, what: str) -> None:
-    """A state given whole (not decoded from a dump): the pair mask as load_state checks it, and
-    finite fp16 values in the used part (a cache only ever stores finite K/V, steps and offsets)."""
+def check_state_values(layout: CacheLayout, state: Dict[str, torch.Tensor], seq_len: int, what: str) -> None:
+    """The values of a state given whole (not decoded from a dump): the pair mask as load_state
+    checks it, and finite fp16 values in the used part (a cache only ever stores finite K/V, steps
+    and offsets)."""
     used = layout.used_slices(seq_len)
     for name in STATE_NAMES:
         if STATE_DTYPES[name] == torch.float16 and not bool(torch.isfinite(state[name][used[name]]).all()):

@@ -14,7 +14,7 @@ from .backends.base import Backend
 from .config import RunConfig
 from .machine import cpu_model
 from .dataset import check_token_count, fingerprint, protocol_tokens
-from .format import dump_state
+from .dump import dump_state
 from .memory import check_fits
 from .model import HEAD_DIM, KV_HEADS, Q_HEADS, DiagnosticModel
 

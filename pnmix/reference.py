@@ -12,7 +12,8 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from . import quant
-from .format import CacheLayout, channel_pairs, unpack_pair_mask
+from .format import CacheLayout, channel_pairs
+from .packing import unpack_pair_mask
 
 State = Dict[str, torch.Tensor]
 

@@ -18,8 +18,8 @@ SOURCES = (("pnmix", "pnmix"), ("export", "pnmix.export"))
 # layer or a lower one. manifest reads the bundled data, so it sits with the core; codegen writes
 # the C++ header from the core and the op definitions, so it sits with export. A new top-level
 # module must be placed here (test_every_module_has_a_layer says which).
-CORE = ("config", "errors", "format", "quant", "reference", "cache", "model", "manifest", "io", "memory",
-        "machine", "defaults", "dataset", "testing", "_native")
+CORE = ("config", "errors", "format", "packing", "dump", "quant", "reference", "cache", "model", "manifest", "io",
+        "memory", "machine", "defaults", "dataset", "testing", "_native")
 LAYERS = {
     "pnmix": 0, **{f"pnmix.{name}": 0 for name in CORE},
     "pnmix.export": 1, "pnmix.export.llm": 3, "pnmix.codegen": 1,

@@ -48,7 +48,7 @@ class Targets:
 
     def dump(self, data: bytes) -> str:
         from pnmix import reference
-        from pnmix.format import DUMP_HEADER_BYTES, dump_state, load_state
+        from pnmix.dump import DUMP_HEADER_BYTES, dump_state, load_state
 
         try:
             layout, state, seq_len = load_state(data)
@@ -128,7 +128,8 @@ class Targets:
         (what is missing keeps the seed cache's bytes)."""
         import torch
 
-        from pnmix.format import STATE_NAMES, dump_state, load_state
+        from pnmix.dump import dump_state, load_state
+        from pnmix.format import STATE_NAMES
 
         source, target = _state_caches()
         tensors = {name: t.clone() for name, t in source.export_state().items()}
@@ -203,7 +204,7 @@ def seeds(target: str) -> List[bytes]:
 
     from pnmix.cache import PackedKVCache
     from pnmix.config import PnMixConfig
-    from pnmix.format import dump_state
+    from pnmix.dump import dump_state
     from pnmix.manifest import bundled_path
 
     if target == "dump":
@@ -338,13 +339,14 @@ def run_atheris(target_names: List[str], libfuzzer_args: List[str]) -> None:
 
     import pnmix.cache
     import pnmix.config
+    import pnmix.dump
     import pnmix.format
     import pnmix.io
     import pnmix.manifest
 
     # Instrument pnmix's own functions (instrument_imports misses modules loaded through the
     # package's custom path setup, and instrumenting torch would only slow the runs down).
-    for module in (pnmix.cache, pnmix.config, pnmix.format, pnmix.io, pnmix.manifest):
+    for module in (pnmix.cache, pnmix.config, pnmix.dump, pnmix.format, pnmix.io, pnmix.manifest):
         for value in list(vars(module).values()):
             for fn in [value, *vars(value).values()] if isinstance(value, type) else [value]:
                 fn = getattr(fn, "__func__", fn)

@@ -113,7 +113,7 @@ def bench(max_seq_len: int = defaults.EXPORT_MAX_SEQ_LEN, context: Optional[int]
             torch_cpu.append(time.process_time() - cpu)
         _, onnx_state, _ = onnx_backend.state()
         _, torch_state, _ = reference.state()
-        from pnmix.format import dump_state
+        from pnmix.dump import dump_state
 
         identical = dump_state(onnx_backend.layout, onnx_state, context + 1) == dump_state(layout, torch_state, context + 1)
         return {

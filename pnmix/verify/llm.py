@@ -63,7 +63,7 @@ def _text_ids(tokenizer, text: Optional[Path], prompt_tokens: int) -> List[int]:
 
 def used_bytes(layout, tensors: Dict[str, torch.Tensor], seq_len: int) -> bytes:
     """The used part of one layer's packed state, as FORMAT.md's dump lays it out."""
-    from pnmix.format import dump_state
+    from pnmix.dump import dump_state
 
     return dump_state(layout, tensors, seq_len)
 

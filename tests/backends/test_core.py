@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from pnmix import dump, packing
 from pnmix import format as fmt
 from pnmix import reference
 from pnmix._native import library_status
@@ -88,7 +89,7 @@ def test_append_bytes_identical_to_reference(ops, name, chunks):
     ref, _ = run_schedule(append_reference, layout, chunks, k, v)
     for key in STATE_NAMES:
         assert torch.equal(ours[key], ref[key]), f"{key} differs ({name}, {chunks})"
-    assert fmt.dump_state(layout, ours, n) == fmt.dump_state(layout, ref, n)
+    assert dump.dump_state(layout, ours, n) == dump.dump_state(layout, ref, n)
 
 
 def test_append_edge_values_identical(ops):
@@ -181,11 +182,11 @@ def make_cache(config=CONFIGS["other"], seq_len=300):
 
 def test_dump_write_and_read_match_python():
     layout, state, n = make_cache()
-    blob = fmt.dump_state(layout, state, n)
+    blob = dump.dump_state(layout, state, n)
     assert core_ops.dump_state(layout, state, n) == blob
     lay2, state2, n2 = core_ops.load_state(blob)
     assert (n2, lay2.config, lay2.batch, lay2.kv_heads, lay2.head_dim) == (n, layout.config, 2, 2, 32)
-    assert fmt.dump_state(lay2, state2, n2) == blob
+    assert dump.dump_state(lay2, state2, n2) == blob
 
 
 def _corrupt(blob: bytes, offset: int, data: bytes) -> bytes:
@@ -215,19 +216,19 @@ def _corrupt(blob: bytes, offset: int, data: bytes) -> bytes:
 ])
 def test_dump_with_inconsistent_header_fails_cleanly(mutation, message):
     layout, state, n = make_cache()
-    bad = mutation(fmt.dump_state(layout, state, n))
+    bad = mutation(dump.dump_state(layout, state, n))
     with pytest.raises(PnMixError, match=message):
         core_ops.load_state(bad)
     with pytest.raises(PnMixError):  # format.load_state refuses it too (FORMAT.md 6's reader rules)
-        fmt.load_state(bad)
+        dump.load_state(bad)
 
 
 def test_dump_value_group_size_takes_pythons_limit():
     """value_group_size is any int32 >= 1 (vg = min(value_group_size, D)), in both decoders."""
     layout, state, n = make_cache(CONFIGS["other"].replace(value_group_size=(1 << 31) - 1), seq_len=200)
-    blob = fmt.dump_state(layout, state, n)
+    blob = dump.dump_state(layout, state, n)
     lay2, state2, n2 = core_ops.load_state(blob)
-    assert lay2.config.value_group_size == (1 << 31) - 1 and fmt.dump_state(lay2, state2, n2) == blob
+    assert lay2.config.value_group_size == (1 << 31) - 1 and dump.dump_state(lay2, state2, n2) == blob
 
 
 def test_limits_agree_with_python():
@@ -239,7 +240,7 @@ def test_limits_agree_with_python():
     python = {"max_tokens_field": config.MAX_TOKENS_FIELD, "max_int_field": config.MAX_INT_FIELD,
               "max_batch": config.MAX_BATCH, "max_kv_heads": config.MAX_KV_HEADS,
               "max_head_dim": config.MAX_HEAD_DIM, "max_seq_len": config.MAX_SEQ_LEN,
-              "max_state_tensor_bytes": config.MAX_STATE_TENSOR_BYTES, "dump_slack_bytes": fmt.DUMP_SLACK_BYTES}
+              "max_state_tensor_bytes": config.MAX_STATE_TENSOR_BYTES, "dump_slack_bytes": dump.DUMP_SLACK_BYTES}
     assert {name: lib.pnmix_core_limit(name.encode()) for name in python} == python
     assert lib.pnmix_core_limit(b"no_such_limit") == -1 and lib.pnmix_core_limit(None) == -1
 
@@ -348,7 +349,7 @@ def test_wrong_sizes_rejected(abi):
     assert "new K/V" in _error(lib, attend(seq_len=4, new_bytes=2))[1]
     code, msg = _error(lib, attend(seq_len=4))  # the empty state's mask has no high pairs
     assert code == 7 and "pair_mask" in msg
-    state["pair_mask"].copy_(fmt.pack_pair_mask(reference.saliency_mask(k, layout)))
+    state["pair_mask"].copy_(packing.pack_pair_mask(reference.saliency_mask(k, layout)))
     assert attend(seq_len=4) == 0
 
 

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from pnmix.cache import PackedKVCache
 from pnmix.config import PnMixConfig
 from pnmix.errors import PnMixError
-from pnmix.format import STATE_NAMES, dump_state
+from pnmix.dump import dump_state
+from pnmix.format import STATE_NAMES
 
 CONFIG = PnMixConfig(group_size=8, residual_size=16, sink_tokens=4)
 HEADS, DIM, CAPACITY = 2, 8, 64

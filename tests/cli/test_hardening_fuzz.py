@@ -29,16 +29,16 @@ def test_mutation_fuzzing_finds_nothing(target, tmp_path):
 
 def test_a_planted_bug_is_found(tmp_path, monkeypatch):
     """The loop reports an exception other than PnMixError (guards the test above)."""
-    import pnmix.format as format_module
+    import pnmix.dump as dump_module
 
-    real = format_module.load_state
+    real = dump_module.load_state
 
     def buggy(blob):
         if len(blob) % 7 == 3:
             raise IndexError("planted")
         return real(blob)
 
-    monkeypatch.setattr(format_module, "load_state", buggy)
+    monkeypatch.setattr(dump_module, "load_state", buggy)
     result = fuzz.run_loop("dump", 100, 30.0, seed=2, crash_dir=tmp_path, log=lambda _: None)
     assert any("IndexError: planted" in f for f in result["findings"])
     assert list(tmp_path.glob("dump-*.bin")), "the finding's input was not saved"
@@ -48,6 +48,6 @@ def test_the_state_target_finds_an_import_that_skips_the_mask_check(tmp_path, mo
     """A planted gap: import_state without the pair-mask check accepts masks load_state refuses."""
     import pnmix.format as format_module
 
-    monkeypatch.setattr(format_module, "check_state", lambda *args: None)
+    monkeypatch.setattr(format_module, "check_state_values", lambda *args: None)
     result = fuzz.run_loop("state", 300, 60.0, seed=3, crash_dir=tmp_path, log=lambda _: None)
     assert any("load_state refuses" in f for f in result["findings"]), result

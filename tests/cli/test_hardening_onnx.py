@@ -249,7 +249,8 @@ def test_small_capacities_run_in_onnxruntime_like_the_reference(tmp_path, config
     from pnmix.backends.onnxruntime.backend import OnnxBackend
     from pnmix.backends.torch_ops import TorchOps
     from pnmix.dataset import protocol_tokens
-    from pnmix.format import CacheLayout, dump_state
+    from pnmix.dump import dump_state
+    from pnmix.format import CacheLayout
     from pnmix.model import HEAD_DIM, KV_HEADS
 
     groups = CacheLayout(config, 1, KV_HEADS, HEAD_DIM, capacity).max_groups

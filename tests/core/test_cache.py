@@ -5,7 +5,7 @@ from pnmix import reference
 from pnmix.cache import PackedKVCache
 from pnmix.config import PnMixConfig
 from pnmix.errors import PnMixError
-from pnmix.format import dump_state
+from pnmix.dump import dump_state
 from pnmix.testing import schedule_list_model
 
 

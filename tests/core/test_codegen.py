@@ -5,7 +5,7 @@ fact from it, so a stale copy would let the two sides disagree."""
 import re
 from pathlib import Path
 
-from pnmix import codegen, config
+from pnmix import codegen, config, dump
 from pnmix import format as fmt
 
 # The checked-in header of this checkout (the tests may run against an installed pnmix).
@@ -28,10 +28,10 @@ def test_generated_header_states_the_python_facts():
     assert {name: int(size) for _, name, size, _ in states} == {n: d.itemsize for n, d in fmt.STATE_DTYPES.items()}
     offsets = dict(re.findall(r"^#define PNMIX_DUMP_AT_(\w+) (\d+)", text, re.M))
     assert int(offsets["HIGH_RATIO"]) == 44 and int(offsets["SEQ_LEN"]) == 52  # docs/FORMAT.md section 6
-    assert f"#define PNMIX_DUMP_HEADER_BYTES {fmt.DUMP_HEADER_BYTES}" in text and fmt.DUMP_HEADER_BYTES == 64
+    assert f"#define PNMIX_DUMP_HEADER_BYTES {dump.DUMP_HEADER_BYTES}" in text and dump.DUMP_HEADER_BYTES == 64
 
 
 def test_dump_header_offsets_follow_the_table():
-    offsets = fmt.dump_header_offsets()
-    assert list(offsets) == [name for name, _ in fmt.DUMP_HEADER_FIELDS]
+    offsets = dump.dump_header_offsets()
+    assert list(offsets) == [name for name, _ in dump.DUMP_HEADER_FIELDS]
     assert offsets["magic"] == 0 and offsets["pair_layout"] == 27 and offsets["reserved1"] == 60

@@ -5,8 +5,9 @@ from hypothesis import strategies as st
 
 from pnmix.config import PnMixConfig, RunConfig
 from pnmix.errors import PnMixError
-from pnmix.format import (CacheLayout, DUMP_HEADER_BYTES, dump_state, load_state, pack_codes,
-                          pack_pair_mask, unpack_codes, unpack_pair_mask)
+from pnmix.dump import DUMP_HEADER_BYTES, dump_state, load_state
+from pnmix.format import CacheLayout
+from pnmix.packing import pack_codes, pack_pair_mask, unpack_codes, unpack_pair_mask
 from pnmix.manifest import spec_formula_bytes
 
 

@@ -13,7 +13,8 @@ from pnmix import quant, reference
 from pnmix.cache import PackedKVCache
 from pnmix.config import PnMixConfig
 from pnmix.errors import PnMixError
-from pnmix.format import DUMP_HEADER_BYTES, CacheLayout, dump_state, load_state
+from pnmix.dump import DUMP_HEADER_BYTES, dump_state, load_state
+from pnmix.format import CacheLayout
 
 FP16_MAX = 65504.0
 SUBNORMAL = 2.0**-24  # fp16's smallest positive value

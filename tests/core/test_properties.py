@@ -28,9 +28,9 @@ from pnmix import reference
 from pnmix.cache import PackedKVCache
 from pnmix.config import CONFIG_FIELDS, PnMixConfig, run_config
 from pnmix.errors import PnMixError
-from pnmix.format import (
-    DUMP_HEADER_BYTES, STATE_NAMES, CacheLayout, dump_state, load_state, pack_pair_mask,
-)
+from pnmix.dump import DUMP_HEADER_BYTES, dump_state, load_state
+from pnmix.format import STATE_NAMES, CacheLayout
+from pnmix.packing import pack_pair_mask
 from pnmix.manifest import compare, load_manifest
 
 CASES: collections.Counter = collections.Counter()

@@ -166,7 +166,8 @@ def test_batch_of_two_and_chunked_appends_match_the_reference_cache(tmp_path):
     import onnxruntime as ort
 
     from pnmix.cache import PackedKVCache
-    from pnmix.format import STATE_NAMES, dump_state
+    from pnmix.dump import dump_state
+    from pnmix.format import STATE_NAMES
     from pnmix.model import DiagnosticModel
 
     config = PnMixConfig(group_size=16, residual_size=24, sink_tokens=4)

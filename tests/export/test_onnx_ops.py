@@ -13,7 +13,8 @@ from pnmix.cache import PackedKVCache
 from pnmix.config import PnMixConfig
 from pnmix.export import ops
 from pnmix.export.exporter import build_op_model
-from pnmix.format import STATE_NAMES, dump_state
+from pnmix.dump import dump_state
+from pnmix.format import STATE_NAMES
 
 CAPACITY = 160
 SMALL = dict(group_size=16, residual_size=24, sink_tokens=4)

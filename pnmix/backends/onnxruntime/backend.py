@@ -136,7 +136,7 @@ class OnnxBackend(Backend):
             "new_len": np.array(new_len, dtype=np.int64),
         }
         arrays = {name: np.asarray(state[name]) for name in STATE_NAMES if state.get(name) is not None}
-        self.layout.check_state(arrays)
+        self.layout.check_state_shapes(arrays)
         for name in STATE_NAMES:
             feeds[name] = np.ascontiguousarray(arrays[name]).view(graph_state_numpy_dtype(name))
         try:
