@@ -6,6 +6,10 @@ downloaded): what the tests and `pnmix bench onnx` smoke runs export when no rea
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, List
+
+if TYPE_CHECKING:
+    import torch
 
 SMALL = dict(group_size=16, residual_size=24, sink_tokens=5)
 
@@ -33,7 +37,10 @@ def schedule_list_model(config, chunks):
     sink while it has room, else to the residual; after each append, while the residual holds
     >= residual_size tokens its oldest group_size become a group. Returns token positions
     (sink, groups, residual)."""
-    sink, groups, residual, position = [], [], [], 0
+    sink: List[int] = []
+    groups: List[List[int]] = []
+    residual: List[int] = []
+    position = 0
     for n in chunks:
         for _ in range(n):
             (sink if len(sink) < config.sink_tokens else residual).append(position)
@@ -42,6 +49,20 @@ def schedule_list_model(config, chunks):
             groups.append(residual[: config.group_size])
             del residual[: config.group_size]
     return sink, groups, residual
+
+
+def make_random_kv(batch: int, heads: int, n: int, dim: int, seed: int = 0, scale: float = 1.0,
+                   dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random (k, v) of shape (batch, heads, n, dim): k drawn first, then v, from one generator seeded
+    with seed, times scale, in dtype (fp16 unless told). The one source of random K/V in the tests."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    dtype = torch.float16 if dtype is None else dtype
+    k = (torch.randn(batch, heads, n, dim, generator=g) * scale).to(dtype)
+    v = (torch.randn(batch, heads, n, dim, generator=g) * scale).to(dtype)
+    return k, v
+
 
 WORDS = ("the of and to in is was for on that with as by at from his her it an were are which this be "
          "capital city france paris river country people year new first world time water name known "

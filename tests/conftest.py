@@ -20,7 +20,7 @@ from pnmix.config import PnMixConfig
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from pnmix.testing import OTHER_CONFIG  # a configuration far from the manifest's
+from pnmix.testing import OTHER_CONFIG, make_random_kv  # OTHER_CONFIG: far from the manifest's
 
 CORE_SKIP_PREFIX = "libpnmix_core"
 
@@ -61,14 +61,8 @@ def other_config() -> PnMixConfig:
     return PnMixConfig(**OTHER_CONFIG)
 
 
-def make_random_kv(batch, heads, n, dim, seed=0, scale=1.0):
-    g = torch.Generator().manual_seed(seed)
-    k = (torch.randn(batch, heads, n, dim, generator=g) * scale).half()
-    v = (torch.randn(batch, heads, n, dim, generator=g) * scale).half()
-    return k, v
-
-
 @pytest.fixture
 def random_kv():
-    """random_kv(batch, heads, n, dim, seed=0, scale=1.0) -> fp16 (k, v)."""
+    """random_kv(batch, heads, n, dim, seed=0, scale=1.0, dtype=None) -> (k, v), fp16 unless told
+    (pnmix.testing.make_random_kv, which module-level helpers import directly)."""
     return make_random_kv

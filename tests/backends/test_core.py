@@ -18,6 +18,7 @@ from pnmix.cache import append_reference
 from pnmix.config import CONFIG_FIELDS, PnMixConfig
 from pnmix.errors import PnMixError
 from pnmix.format import STATE_NAMES, CacheLayout
+from pnmix.testing import make_random_kv
 
 available, reason = library_status("pnmix_core")
 if not available:
@@ -41,12 +42,6 @@ CONFIGS = {
     "one_bit": PnMixConfig(key_high_bits=1, key_low_bits=1, value_bits=1, group_size=32, residual_size=48,
                            sink_tokens=5, high_ratio=0.0, value_group_size=16),
 }
-
-
-def kv(batch, heads, n, dim, seed, scale=1.0):
-    g = torch.Generator().manual_seed(seed)
-    return ((torch.randn(batch, heads, n, dim, generator=g) * scale).half(),
-            (torch.randn(batch, heads, n, dim, generator=g) * scale).half())
 
 
 def run_schedule(ops_append, layout, chunks, k, v):
@@ -84,7 +79,7 @@ def test_append_bytes_identical_to_reference(ops, name, chunks):
     config = CONFIGS[name]
     total = sum(chunks)
     layout = CacheLayout(config, 2, 3, 16, total)
-    k, v = kv(2, 3, total, 16, seed=total + len(chunks))
+    k, v = make_random_kv(2, 3, total, 16, seed=total + len(chunks))
     ours, n = run_schedule(ops.append, layout, chunks, k, v)
     ref, _ = run_schedule(append_reference, layout, chunks, k, v)
     for key in STATE_NAMES:
@@ -96,7 +91,7 @@ def test_append_edge_values_identical(ops):
     """Constant channels (step 0), huge values (saturating fp16 steps), subnormals, zeros."""
     config = PnMixConfig(group_size=16, residual_size=16, sink_tokens=0)
     layout = CacheLayout(config, 1, 2, 16, 64)
-    k, v = kv(1, 2, 64, 16, seed=3)
+    k, v = make_random_kv(1, 2, 64, 16, seed=3)
     k[:, :, :, 0] = 1.5  # constant channel -> step 0 -> codes 0
     k[:, 0, :8, 3] = 65504.0
     k[:, 0, 8:16, 3] = -65504.0  # max - min overflows fp16: step saturates
@@ -113,7 +108,7 @@ def test_attention_within_tolerance_of_reference(ops, name):
     config = CONFIGS[name]
     seq_len, n_new = 700, 5
     layout = CacheLayout(config, 2, 2, 32, seq_len)
-    k, v = kv(2, 2, seq_len + n_new, 32, seed=11)
+    k, v = make_random_kv(2, 2, seq_len + n_new, 32, seed=11)
     state, _ = run_schedule(append_reference, layout, [500, 1, 199], k[:, :, :seq_len], v[:, :, :seq_len])
     k_new, v_new = k[:, :, seq_len:], v[:, :, seq_len:]
     q = torch.randn(2, 8, 4, 32, generator=torch.Generator().manual_seed(5)).half()
@@ -140,7 +135,7 @@ def test_attention_prefill_and_causality(ops):
     """Empty cache: causal attention over the new tokens alone; each query sees only its past."""
     layout = CacheLayout(CONFIGS["manifest"], 1, 2, 32, 64)
     state = layout.empty_state()
-    k, v = kv(1, 2, 40, 32, seed=2)
+    k, v = make_random_kv(1, 2, 40, 32, seed=2)
     q = torch.randn(1, 4, 40, 32).half()
     got = ops.attend(q, layout, state, 0, k, v)
     assert (got - reference.attend(q, layout, state, 0, k, v)).abs().max().item() <= 1e-3
@@ -175,7 +170,7 @@ def test_fp16_conversions_exhaustive(ops):
 
 def make_cache(config=CONFIGS["other"], seq_len=300):
     layout = CacheLayout(config, 2, 2, 32, seq_len)
-    k, v = kv(2, 2, seq_len, 32, seed=9)
+    k, v = make_random_kv(2, 2, seq_len, 32, seed=9)
     state, n = run_schedule(append_reference, layout, [seq_len - 3, 1, 2], k, v)
     return layout, state, n
 
@@ -271,7 +266,7 @@ def test_attend_and_append_refuse_a_state_with_a_wrong_pair_mask(ops):
     """Key offsets come from the mask: a wrong high-pair count must not reach the kernels."""
     layout, state, n = make_cache()  # high_ratio 0.25: 4 of 16 pairs per head
     q = torch.randn(2, 4, 1, 32).half()
-    k, v = kv(2, 2, 1, 32, seed=3)
+    k, v = make_random_kv(2, 2, 1, 32, seed=3)
     good = state["pair_mask"].clone()
     for bad, needle in ((torch.full_like(good, 0xFF), "marks 16 high pairs"),
                         (torch.zeros_like(good), "marks 0 high pairs")):
@@ -304,7 +299,7 @@ def _error(lib, status):
 
 def test_null_pointers_rejected(abi):
     lib, layout, lay, state, st = abi
-    k, v = kv(1, 2, 4, 32, seed=0)
+    k, v = make_random_kv(1, 2, 4, 32, seed=0)
     code, msg = _error(lib, lib.pnmix_append(None, ctypes.byref(st), 0, k.data_ptr(), v.data_ptr(), 4, k.numel() * 2))
     assert code == 1 and "layout" in msg
     code, msg = _error(lib, lib.pnmix_append(ctypes.byref(lay), None, 0, k.data_ptr(), v.data_ptr(), 4, k.numel() * 2))
@@ -324,7 +319,7 @@ def test_null_pointers_rejected(abi):
 
 def test_wrong_sizes_rejected(abi):
     lib, layout, lay, state, st = abi
-    k, v = kv(1, 2, 4, 32, seed=0)
+    k, v = make_random_kv(1, 2, 4, 32, seed=0)
     code, msg = _error(lib, lib.pnmix_append(ctypes.byref(lay), ctypes.byref(st), 0, k.data_ptr(), v.data_ptr(), 4, k.numel() * 2 - 2))
     assert code == 3 and "bytes" in msg
     st.nbytes[0] -= 2
@@ -355,7 +350,7 @@ def test_wrong_sizes_rejected(abi):
 
 def test_capacity_and_config_errors(abi, ops):
     lib, layout, lay, state, st = abi
-    k, v = kv(1, 2, 10, 32, seed=0)
+    k, v = make_random_kv(1, 2, 10, 32, seed=0)
     code, msg = _error(lib, lib.pnmix_append(ctypes.byref(lay), ctypes.byref(st), 395, k.data_ptr(), v.data_ptr(), 10, k.numel() * 2))
     assert code == 4 and "capacity" in msg
     lay.config.group_size = 12

@@ -28,17 +28,16 @@ needs_gpu = pytest.mark.skipif(
             else f"libpnmix_cuda is not built: {LIB_WHY}"),
 )
 
-from pnmix.testing import KERNEL_CONFIGS as CONFIGS, SMALL  # noqa: E402
+from pnmix.testing import KERNEL_CONFIGS as CONFIGS, SMALL, make_random_kv  # noqa: E402
 
 
 def layout_for(config, heads=2, dim=32, max_seq_len=512, batch=1):
     return CacheLayout(PnMixConfig(**config), batch, heads, dim, max_seq_len)
 
 
-def random_kv(layout, n, seed, scale=1.0):
-    g = torch.Generator().manual_seed(seed)
-    shape = (layout.batch, layout.kv_heads, n, layout.head_dim)
-    return tuple((torch.randn(*shape, generator=g) * scale).half() for _ in "kv")
+def layout_kv(layout, n, seed, scale=1.0):
+    """n tokens of random fp16 (k, v) in the layout's batch, heads and head size."""
+    return make_random_kv(layout.batch, layout.kv_heads, n, layout.head_dim, seed=seed, scale=scale)
 
 
 def to_gpu(state):
@@ -61,7 +60,7 @@ def fill(layout, chunks, seed=0):
     gpu = to_gpu(cpu)
     seq_len = 0
     for i, n in enumerate(chunks):
-        k, v = random_kv(layout, n, seed=seed + i)
+        k, v = layout_kv(layout, n, seed=seed + i)
         append_reference(layout, cpu, seq_len, k, v)
         ops.append(layout, gpu, seq_len, k.cuda(), v.cuda())
         seq_len += n
@@ -100,12 +99,12 @@ def test_mask_comes_from_the_first_append_only():
     layout = layout_for(SMALL)
     ops = cuda_ops.CudaOps()
     gpu = to_gpu(layout.empty_state())
-    k, v = random_kv(layout, 6, seed=1)
+    k, v = layout_kv(layout, 6, seed=1)
     ops.append(layout, gpu, 0, k.cuda(), v.cuda())
     first_mask = gpu["pair_mask"].clone()
     assert first_mask.any()  # SMALL keeps half the pairs high
     # later, much larger keys must not move the mask (it is computed once, from the prefill)
-    k2, v2 = random_kv(layout, 40, seed=2, scale=100.0)
+    k2, v2 = layout_kv(layout, 40, seed=2, scale=100.0)
     ops.append(layout, gpu, 6, k2.cuda(), v2.cuda())
     assert torch.equal(first_mask, gpu["pair_mask"])
 
@@ -120,7 +119,7 @@ def check_attend(layout, cpu, gpu, seq_len, q_heads, nq, n_new, dtype=torch.floa
     q = torch.randn(layout.batch, q_heads, nq, layout.head_dim, generator=g).to(dtype)
     k_new = v_new = None
     if n_new:
-        k_new, v_new = random_kv(layout, n_new, seed=seed + 1)
+        k_new, v_new = layout_kv(layout, n_new, seed=seed + 1)
     want = reference.attend(q.half() if dtype == torch.float16 else q.float(), layout, cpu, seq_len, k_new, v_new)
     got = cuda_ops.CudaOps().attend(q.cuda(), layout, gpu, seq_len,
                                     None if k_new is None else k_new.cuda(), None if v_new is None else v_new.cuda())
@@ -233,7 +232,7 @@ def test_bench_factory_runs_one_decode_step():
 def test_cpu_tensors_are_refused():
     layout = layout_for(SMALL)
     gpu = to_gpu(layout.empty_state())
-    k, v = random_kv(layout, 3, seed=0)
+    k, v = layout_kv(layout, 3, seed=0)
     with pytest.raises(PnMixError, match="keys is on cpu"):
         cuda_ops.CudaOps().append(layout, gpu, 0, k, v)
     with pytest.raises(PnMixError, match="CUDA device"):

@@ -8,6 +8,7 @@ from pnmix import backends
 from pnmix.cache import PackedKVCache, ReferenceOps
 from pnmix.config import PnMixConfig
 from pnmix.errors import PnMixError
+from pnmix.testing import make_random_kv
 
 
 def test_default_on_cpu_is_the_core_when_it_builds(monkeypatch):
@@ -56,8 +57,7 @@ def test_the_cache_runs_the_ops_it_is_given():
             return super().attend(*args)
 
     cache = PackedKVCache(PnMixConfig(group_size=8, residual_size=8, sink_tokens=2), 1, 8, 32, ops=Counting())
-    k = torch.randn(1, 1, 12, 8).half()
-    cache.append(k, k)
+    cache.append(*make_random_kv(1, 1, 12, 8))
     cache.attend(torch.randn(1, 2, 1, 8).half())
     assert calls == ["append", "attend"]
     assert isinstance(PackedKVCache(PnMixConfig(), 1, 8, 32).ops, ReferenceOps)  # no ops given: the reference

@@ -36,12 +36,7 @@ if not triton_kernels.interpreting() and not torch.cuda.is_available():
 # where the Triton side runs; the reference always runs on the CPU
 DEVICE = "cpu" if triton_kernels.interpreting() else "cuda"
 
-from pnmix.testing import KERNEL_CONFIGS as CONFIGS, SMALL  # noqa: E402
-
-
-def make_random_kv(batch, heads, n, dim, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(batch, heads, n, dim, generator=g).half() for _ in "kv")
+from pnmix.testing import KERNEL_CONFIGS as CONFIGS, SMALL, make_random_kv  # noqa: E402
 
 
 def layout_for(config, heads=2, dim=32, max_seq_len=512, batch=1):
@@ -150,7 +145,10 @@ def check_attention(cache, q_heads=4, nq=1, n_new=1, dtype=torch.float16, **plan
     if not n_new:
         k_new = v_new = None
     want = reference.attend(q, layout, cache.state, cache.seq_len, k_new, v_new)
-    on = (lambda t: None if t is None else t.to(DEVICE))
+
+    def on(t):
+        return None if t is None else t.to(DEVICE)
+
     got = attend_triton(on(q), layout, on_device(cache.state), cache.seq_len, on(k_new), on(v_new), **plan).cpu()
     assert got.shape == want.shape and got.dtype == torch.float32
     assert torch.isfinite(got).all()

@@ -380,7 +380,7 @@ def test_parse_reads_nothing_past_a_fields_length(tmp_path):
     script = textwrap.dedent(f"""
         import ctypes, mmap, sys
         sys.path.insert(0, {str(REPO)!r})
-        from tests.test_trt_fields import Field, Config, node_fields, CHAR
+        from tests.backends.test_trt_fields import Field, Config, node_fields, CHAR
         from pnmix.config import PnMixConfig
         lib = ctypes.CDLL({str(path)!r})
         page = mmap.PAGESIZE

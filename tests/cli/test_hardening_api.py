@@ -19,6 +19,7 @@ from pnmix.config import PnMixConfig
 from pnmix.errors import PnMixError
 from pnmix.dump import dump_state
 from pnmix.format import STATE_NAMES
+from pnmix.testing import make_random_kv
 
 CONFIG = PnMixConfig(group_size=8, residual_size=16, sink_tokens=4)
 HEADS, DIM, CAPACITY = 2, 8, 64
@@ -26,8 +27,7 @@ HEADS, DIM, CAPACITY = 2, 8, 64
 
 def filled(n: int = 40) -> PackedKVCache:
     cache = PackedKVCache(CONFIG, HEADS, DIM, CAPACITY)
-    g = torch.Generator().manual_seed(n)
-    cache.append(torch.randn(1, HEADS, n, DIM, generator=g).half(), torch.randn(1, HEADS, n, DIM, generator=g).half())
+    cache.append(*make_random_kv(1, HEADS, n, DIM, seed=n))
     return cache
 
 
@@ -74,8 +74,7 @@ def test_append_takes_every_real_floating_point_dtype_as_fp16():
     reference = filled()
     for dtype in (torch.float32, torch.float64, torch.bfloat16):
         cache = PackedKVCache(CONFIG, HEADS, DIM, CAPACITY)
-        g = torch.Generator().manual_seed(40)
-        k, v = torch.randn(1, HEADS, 40, DIM, generator=g).half(), torch.randn(1, HEADS, 40, DIM, generator=g).half()
+        k, v = make_random_kv(1, HEADS, 40, DIM, seed=40)
         if dtype == torch.bfloat16:  # bf16 cannot hold every fp16 value: compare with its own fp16 rounding
             k, v = k.to(dtype).half(), v.to(dtype).half()
             reference = PackedKVCache(CONFIG, HEADS, DIM, CAPACITY)
@@ -143,7 +142,7 @@ def test_import_state_refuses_what_load_state_refuses_and_changes_nothing():
     for name, tensors, seq_len, words in _bad_states(source):
         before = snapshot(target)
         try:
-            refused(lambda: target.import_state(tensors, seq_len), *words)
+            refused(lambda tensors=tensors, seq_len=seq_len: target.import_state(tensors, seq_len), *words)
         except AssertionError as exc:
             raise AssertionError(f"{name}: {exc}") from None
         assert_unchanged(target, before)
@@ -216,8 +215,7 @@ def hf_cache():
 
 
 def kv(n: int, value: float | None = None, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    k, v = torch.randn(1, HEADS, n, DIM, generator=g), torch.randn(1, HEADS, n, DIM, generator=g)
+    k, v = make_random_kv(1, HEADS, n, DIM, seed=seed, dtype=torch.float32)
     if value is not None:
         k[0, 0, n - 1, 0] = value
     return k, v

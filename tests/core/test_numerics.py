@@ -15,6 +15,7 @@ from pnmix.config import PnMixConfig
 from pnmix.errors import PnMixError
 from pnmix.dump import DUMP_HEADER_BYTES, dump_state, load_state
 from pnmix.format import CacheLayout
+from pnmix.testing import make_random_kv
 
 FP16_MAX = 65504.0
 SUBNORMAL = 2.0**-24  # fp16's smallest positive value
@@ -160,8 +161,7 @@ def test_zero_variance_keys_and_values_reconstruct_exactly_through_the_cache():
 
 
 def _poisoned(kind: str, n: int = 6):
-    k = torch.randn(1, 2, n, 8).half()
-    v = torch.randn(1, 2, n, 8).half()
+    k, v = make_random_kv(1, 2, n, 8)
     if kind == "nan key":
         k[0, 1, n - 1, 3] = float("nan")
     elif kind == "inf value":
@@ -179,7 +179,7 @@ def _poisoned(kind: str, n: int = 6):
 def test_non_finite_kv_is_rejected_and_the_cache_is_untouched(kind, when):
     cache = PackedKVCache(SMALL, 2, 8, 64)
     if when == "decode":
-        k, v = torch.randn(1, 2, 30, 8).half(), torch.randn(1, 2, 30, 8).half()
+        k, v = make_random_kv(1, 2, 30, 8)
         cache.append(k, v)
     before = {name: t.clone() for name, t in cache.state.items()}
     seq_len, computations = cache.seq_len, cache.saliency_computations
@@ -196,7 +196,7 @@ def test_non_finite_kv_names_the_tensor_even_when_the_infinities_cancel(where, n
     """The check sums each tensor once: +Inf in the keys and -Inf in the values, or both in one
     tensor, still make a non-finite total, and the error names the tensor that holds them."""
     cache = PackedKVCache(SMALL, 2, 8, 64)
-    k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+    k, v = make_random_kv(1, 2, 3, 8, dtype=torch.float32)
     if where in ("keys", "both"):
         k[0, 0, 1, 2], k[0, 1, 2, 3] = float("inf"), float("-inf")  # cancel within the keys
     if where in ("values", "both"):
@@ -231,7 +231,7 @@ def test_empty_prefill_is_a_no_op_and_the_first_tokens_set_the_mask():
 def test_prefill_longer_than_capacity_is_refused_before_anything_changes():
     cache = PackedKVCache(SMALL, 2, 8, 20)
     with pytest.raises(PnMixError, match="capacity exceeded: 0 \\+ 21 tokens > max_seq_len 20"):
-        cache.append(torch.randn(1, 2, 21, 8).half(), torch.randn(1, 2, 21, 8).half())
+        cache.append(*make_random_kv(1, 2, 21, 8))
     assert cache.seq_len == 0 and cache.saliency_computations == 0
     assert all((t == 0).all() for t in cache.state.values())
     with pytest.raises(PnMixError, match="max_seq_len"):
@@ -250,10 +250,7 @@ def _boundaries(config: PnMixConfig):
     PnMixConfig(group_size=16, residual_size=24, sink_tokens=3, value_bits=1, key_low_bits=2),
 ], ids=["R=2gs", "R=gs-no-sink", "R=1.5gs"])
 def test_sequences_ending_on_a_flush_boundary(config):
-    g = torch.Generator().manual_seed(1)
-    total = _boundaries(config)[-1]
-    k = torch.randn(1, 2, total, 8, generator=g).half()
-    v = torch.randn(1, 2, total, 8, generator=g).half()
+    k, v = make_random_kv(1, 2, _boundaries(config)[-1], 8, seed=1)
     for n in _boundaries(config):
         prefill = min(n, config.sink_tokens + 2)
         one_shot = filled_cache(k[:, :, :n], v[:, :, :n], config)
@@ -274,7 +271,7 @@ def test_sequences_ending_on_a_flush_boundary(config):
 
 
 def test_queries_beyond_the_keys_and_misshapen_queries_are_refused():
-    cache = filled_cache(torch.randn(1, 2, 5, 8).half(), torch.randn(1, 2, 5, 8).half())
+    cache = filled_cache(*make_random_kv(1, 2, 5, 8))
     with pytest.raises(PnMixError, match="6 queries but only 5 keys"):
         cache.attend(torch.randn(1, 4, 6, 8).half())
     with pytest.raises(PnMixError, match="q_heads"):

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pnmix._native import NativeLibraryError
-from pnmix.testing import schedule_list_model
+from pnmix.testing import make_random_kv, schedule_list_model
 from pnmix import reference
 from pnmix.cache import PackedKVCache
 from pnmix.config import CONFIG_FIELDS, PnMixConfig, run_config
@@ -95,13 +95,6 @@ def small_configs(draw) -> PnMixConfig:
     )
 
 
-def random_kv(batch, heads, n, dim, seed):
-    g = torch.Generator().manual_seed(seed)
-    k = torch.randn(batch, heads, n, dim, generator=g).half()
-    v = torch.randn(batch, heads, n, dim, generator=g).half()
-    return k, v
-
-
 @st.composite
 def filled_caches(draw):
     """(cache, k, v, chunks): a small cache fed random chunk sizes (0 included)."""
@@ -109,7 +102,7 @@ def filled_caches(draw):
     batch, heads = draw(st.integers(1, 2)), draw(st.integers(1, 2))
     chunks = draw(st.lists(st.integers(min_value=0, max_value=40), min_size=1, max_size=8))
     total = sum(chunks)
-    k, v = random_kv(batch, heads, total, 8, seed=draw(st.integers(0, 2**16)))
+    k, v = make_random_kv(batch, heads, total, 8, seed=draw(st.integers(0, 2**16)))
     cache = PackedKVCache(config, heads, 8, max(total, 1), batch=batch)
     start = 0
     for n in chunks:

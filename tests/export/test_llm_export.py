@@ -3,7 +3,6 @@ on tiny random Llama-family models made here (nothing downloaded)."""
 
 import json
 import os
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -18,6 +17,8 @@ pytest.importorskip("onnxscript", reason="torch.onnx.export(dynamo=True) needs o
 from pnmix.config import PnMixConfig  # noqa: E402
 from pnmix.errors import PnMixError  # noqa: E402
 from pnmix.export import ops  # noqa: E402
+from pnmix.export.append_body import append_function  # noqa: E402
+from pnmix.export.attention_body import attention_function  # noqa: E402
 from pnmix.backends.onnxruntime.llm_session import LlmSession, greedy  # noqa: E402
 from pnmix.export.llm import export_llm  # noqa: E402
 from pnmix.export.llm_file import read_llm_info  # noqa: E402
@@ -71,8 +72,8 @@ def test_file_has_two_pnmix_nodes_per_layer_with_the_table_and_the_function_bodi
         assert got == want
     functions = {f.name: f for f in model.functions if f.domain == ops.DOMAIN}
     assert functions[ops.ATTENTION_OP].SerializeToString() == \
-        ops.attention_function(info.layout, 4, 18).SerializeToString()
-    assert functions[ops.APPEND_OP].SerializeToString() == ops.append_function(info.layout, 18).SerializeToString()
+        attention_function(info.layout, 4, 18).SerializeToString()
+    assert functions[ops.APPEND_OP].SerializeToString() == append_function(info.layout, 18).SerializeToString()
     # the weights live beside the file (ONNX external data)
     external = [t for t in model.graph.initializer if onnx.external_data_helper.uses_external_data(t)]
     assert sum(np.prod(t.dims) * 4 for t in external) == tiny["result"].data_bytes > 300_000

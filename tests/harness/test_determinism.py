@@ -70,7 +70,7 @@ def test_a_fresh_process_gives_the_same_bytes(torch_run):
     code = (
         "import hashlib, sys\n"
         "sys.path.insert(0, sys.argv[1])\n"
-        "from tests.test_determinism import protocol\n"
+        "from tests.harness.test_determinism import protocol\n"
         "r = protocol()\n"
         "print(hashlib.sha256(r.packed).hexdigest(), repr(sorted(r.metrics.items())))\n"
     )
@@ -101,8 +101,8 @@ def test_triton_interpreter_is_deterministic_and_matches_torch_bytes():
     code = (
         "import hashlib, sys\n"
         "sys.path.insert(0, sys.argv[1])\n"
-        "from tests.test_determinism import protocol\n"
-        "from tests.test_determinism import TINY\n"
+        "from tests.harness.test_determinism import protocol\n"
+        "from tests.harness.test_determinism import TINY\n"
         "a, b = protocol('triton', TINY), protocol('triton', TINY)\n"
         "print(hashlib.sha256(a.packed).hexdigest(), a.packed == b.packed and a.metrics == b.metrics)\n"
     )

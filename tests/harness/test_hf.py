@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import warnings
 
 import pytest
@@ -17,6 +16,7 @@ from pnmix.format import STATE_NAMES  # noqa: E402
 from pnmix.hf import PnMixCache  # noqa: E402
 from pnmix.hf._deps import quanto_unavailable_reason  # noqa: E402
 from pnmix.hf.evaluate import quantized_cache_bytes  # noqa: E402
+from pnmix.testing import make_random_kv  # noqa: E402
 
 KV_HEADS, HEAD_DIM, LAYERS = 2, 32, 2
 
@@ -125,9 +125,8 @@ def test_beam_search_reorders_packed_rows(model):
 
 # ---- the update semantics --------------------------------------------------------------------
 def kv(n: int, seed: int, batch: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(batch, KV_HEADS, n, HEAD_DIM, generator=g),
-            torch.randn(batch, KV_HEADS, n, HEAD_DIM, generator=g))
+    """fp32 (k, v) of n tokens in the model's KV heads and head size, as a Hugging Face layer passes them."""
+    return make_random_kv(batch, KV_HEADS, n, HEAD_DIM, seed=seed, dtype=torch.float32)
 
 
 def test_update_returns_prompt_then_cache_followed_by_fp_token():
@@ -262,13 +261,13 @@ def test_pnmix_attention_refuses_a_padding_mask(model):
         model(input_ids=ids, attention_mask=mask, cache=PnMixCache())
 
 
-def test_speed_tool_times_every_cache(tmp_path):
-    from pnmix.bench.generate import main
+def test_bench_generate_times_every_cache(model):
+    """`pnmix bench generate`'s run on the tiny model: the packed cache holds fewer bytes than the
+    full-precision one, and every cache decodes (that the packed path hands the model no
+    dequantized copy is test_packed_attention_path_matches_dequantized_path's)."""
+    from pnmix.bench.generate import run_generate_bench
 
-    out = tmp_path / "speed.json"
-    assert main(["--prompt-tokens", "170", "--new-tokens", "3", "--repeats", "1", "--json", str(out)]) == 0
-    rows = {row["cache"]: row for row in json.loads(out.read_text())["results"]}
-    packed, dequantized = rows["PnMixCache, pnmix attention"], rows["PnMixCache, dequantized path"]
-    assert packed["peak_dequantized_copy_bytes"] == 0 < dequantized["peak_dequantized_copy_bytes"]
-    assert packed["cache_bytes"] == dequantized["cache_bytes"] < rows["DynamicCache (full precision)"]["cache_bytes"]
-    assert all(row["decode_tokens_per_second"] > 0 for row in rows.values())
+    report = run_generate_bench(model, [170], new_tokens=3, caches=("dynamic", "pnmix"))
+    rows = {row["cache"]: row for row in report["results"]}
+    assert rows["pnmix"]["cache_bytes"] < rows["dynamic"]["cache_bytes"]
+    assert all(row["tokens_per_s"] > 0 for row in rows.values())
