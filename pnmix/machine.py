@@ -1,8 +1,11 @@
-"""The machine a run is on: the CPU's model, and the device a --device option names."""
+"""The machine a run is on: the CPU's model, its load, the description every benchmark report
+carries (``describe_machine``), and the device a --device option names."""
 
 from __future__ import annotations
 
+import os
 import platform
+from typing import Any, Dict, List, Optional
 
 from .errors import PnMixError
 
@@ -17,6 +20,39 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def load_average() -> Optional[List[float]]:
+    """The 1, 5 and 15 minute load averages, or None where the system has none: a figure taken on
+    a busy machine says so next to it."""
+    try:
+        return list(os.getloadavg())
+    except (AttributeError, OSError):
+        return None
+
+
+def describe_machine(device: str = "cpu", threads: Optional[int] = None, onnxruntime: bool = False) -> Dict[str, Any]:
+    """The "machine" block of a benchmark report: platform, CPU model and count, the threads the
+    run used (default: torch's), torch's version, the device (and its GPU), the load average at the
+    call, and onnxruntime's version when the run used it."""
+    import torch
+
+    info: Dict[str, Any] = {
+        "platform": platform.platform(),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "threads": threads or torch.get_num_threads(),
+        "torch": torch.__version__,
+        "device": device,
+        "load_average": load_average(),
+    }
+    if device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    if onnxruntime:
+        import onnxruntime as ort
+
+        info["onnxruntime"] = ort.__version__
+    return info
 
 
 def resolve_device(device: str, allow_auto: bool = False) -> str:

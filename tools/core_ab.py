@@ -3,8 +3,8 @@
     python tools/core_ab.py BUILD_DIR_A BUILD_DIR_B [--context 32768] [--threads 2] [--blocks 20]
 
 Each folder holds a libpnmix_core.so (e.g. the installed pnmix/lib and a `cmake --build build/dev`
-of a change). The builds run in alternating blocks of five calls, so drift of a shared or
-throttled machine hits both alike; two separate `pnmix bench decode` runs on a virtual machine can
+of a change). The builds run in alternating blocks of five calls (pnmix.bench.timing's
+time_interleaved), so drift of a shared or throttled machine hits both alike; two separate `pnmix bench decode` runs on a virtual machine can
 differ by 15-30%, more than most kernel changes. Prints whether the outputs are bitwise equal and
 each build's median, 10th percentile and minimum milliseconds per call (batch 1, 32 query / 8 KV
 heads, head dim 128, the default config: the bench decode shape).
@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
 import torch
+
+BLOCK_CALLS = 5  # calls of one build in a row, before the other's turn
 
 
 def main() -> None:
@@ -31,6 +31,7 @@ def main() -> None:
     from pnmix import _native
     from pnmix.backends.core_ops import CoreOps
     from pnmix.bench.decode import fill_cache
+    from pnmix.bench.timing import time_interleaved
     from pnmix.config import PnMixConfig
     from pnmix.format import CacheLayout
 
@@ -47,17 +48,12 @@ def main() -> None:
         implementations.append(CoreOps(args.threads))
     outputs = [ops.attend(q, layout, state, n, None, None) for ops in implementations]
     print("outputs bitwise equal:", all(torch.equal(outputs[0], out) for out in outputs[1:]))
-    times = [[] for _ in implementations]
-    for _ in range(args.blocks):
-        for ops, spent in zip(implementations, times):
-            for _ in range(5):
-                began = time.perf_counter()
-                ops.attend(q, layout, state, n, None, None)
-                spent.append(time.perf_counter() - began)
-    for folder, spent in zip(args.builds, times):
-        spent.sort()
-        print(f"{folder}: median {statistics.median(spent) * 1e3:.3f} ms, p10 {spent[len(spent) // 10] * 1e3:.3f}, "
-              f"min {spent[0] * 1e3:.3f} ({len(spent)} calls, {args.threads} threads, {n} tokens)")
+    # the calls above were each build's warm-up
+    calls = [lambda ops=ops: ops.attend(q, layout, state, n, None, None) for ops in implementations]
+    timings = time_interleaved(calls, args.blocks, per_round=BLOCK_CALLS)
+    for folder, timing in zip(args.builds, timings):
+        print(f"{folder}: median {timing.median_s * 1e3:.3f} ms, p10 {timing.percentile_s(10) * 1e3:.3f}, "
+              f"min {timing.best_s * 1e3:.3f} ({timing.count} calls, {args.threads} threads, {n} tokens)")
 
 
 if __name__ == "__main__":

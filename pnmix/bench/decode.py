@@ -49,12 +49,10 @@ cannot reach the bandwidth limit by better memory access.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
-import os
-import platform
 import statistics
-import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
@@ -64,9 +62,11 @@ from pnmix import defaults
 from pnmix.config import MAX_BATCH, MAX_HEAD_DIM, MAX_KV_HEADS, MAX_SEQ_LEN, PnMixConfig, run_config
 from pnmix.errors import PnMixError, describe
 from pnmix.format import STATE_DTYPES, CacheLayout
-from pnmix.machine import cpu_model, resolve_device
+from pnmix.machine import describe_machine, resolve_device
 from pnmix.bench.ort_peers import DENSE as ORT_DENSE
 from pnmix.bench.ort_peers import MODES as ORT_MODES
+from pnmix.bench.report import optional_text, print_table, run_report, skipped_notes
+from pnmix.bench.timing import Timing, best_seconds, round_order, time_calls, time_once
 
 CPU_IMPLS = ("sdpa_fp32", "sdpa_bf16", "sdpa_fp32_grouped", "sdpa_bf16_grouped", "reference", "core",
              "ort_gqa_fp32", "ort_gqa_fp16", "ort_gqa_int8", "ort_gqa_int4", "ort_gqa_int8_tensor",
@@ -184,32 +184,16 @@ def make_impl(name: str, ctx: dict):
 # ---------------------------------------------------------------------------------------
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+SLOW_STEP_S = 1.0  # a first warm-up step this slow is the only warm-up, and caps the timed steps
+SLOW_REPEATS = 3
 
 
-def time_step(fn: Callable[[], torch.Tensor], device: str, repeats: int) -> tuple[float, float, torch.Tensor, int]:
-    """(median wall seconds, median process CPU seconds, output, repeats run) after warm-up; slow
-    steps (> 1 s) run fewer times. CPU time (all threads) is the figure to trust on a busy machine."""
-    _sync(device)
-    start = time.perf_counter()
-    out = fn()
-    _sync(device)
-    first = time.perf_counter() - start
-    if first < 1.0:
-        fn()  # a second warm-up: caches, thread pool, allocator
-    else:
-        repeats = min(repeats, 3)
-    times, cpu_times = [], []
-    for _ in range(repeats):
-        _sync(device)
-        start, cpu_start = time.perf_counter(), time.process_time()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-        cpu_times.append(time.process_time() - cpu_start)
-    return statistics.median(times), statistics.median(cpu_times), out, repeats
+def time_step(fn: Callable[[], torch.Tensor], device: str, repeats: int) -> tuple[Timing, torch.Tensor]:
+    """(the timed steps, the output) after warm-up (two calls: caches, thread pool, allocator); a
+    slow step (> SLOW_STEP_S) runs at most SLOW_REPEATS times. The CPU time (all threads) is the
+    figure to trust on a busy machine."""
+    sync = torch.cuda.synchronize if device.startswith("cuda") else None
+    return time_calls(fn, repeats, warmup=2, sync=sync, slow_s=SLOW_STEP_S, slow_repeats=SLOW_REPEATS)
 
 
 # ---------------------------------------------------------------------------------------
@@ -304,21 +288,22 @@ def _choose_impls(impls: Optional[str], device: str, context: int) -> tuple[List
     return names, skipped
 
 
-def _best_seconds(threads: int, fn: Callable[[], object], runs: int) -> float:
-    """The fastest of `runs` timed calls of fn with torch on `threads` threads, after one untimed
-    call (pages touched, thread pool awake); torch's thread count is restored after."""
+@contextlib.contextmanager
+def torch_threads(threads: int):
+    """torch on `threads` threads inside the block; its thread count is restored after."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        fn()
-        best = math.inf
-        for _ in range(runs):
-            start = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - start)
+        yield
     finally:
         torch.set_num_threads(before)
-    return best
+
+
+def _best_seconds(threads: int, fn: Callable[[], object], runs: int) -> float:
+    """The fastest of `runs` timed calls of fn with torch on `threads` threads, after one untimed
+    call (pages touched, thread pool awake)."""
+    with torch_threads(threads):
+        return best_seconds(fn, runs)
 
 
 def stream_read_gbs(threads: int, nbytes: int = STREAM_BYTES, runs: int = STREAM_RUNS) -> float:
@@ -346,21 +331,6 @@ def decode_flops(batch: int, q_heads: int, context: int, head_dim: int) -> int:
     return 4 * batch * q_heads * context * head_dim
 
 
-def machine_info(device: str, threads: int) -> dict:
-    info = {
-        "platform": platform.platform(),
-        "cpu": cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "threads": threads,
-        "torch": torch.__version__,
-        "device": device,
-        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-    }
-    if device.startswith("cuda"):
-        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
-    return info
-
-
 def run_decode_bench(context: int, batch: int = defaults.DECODE_BATCH, q_heads: int = defaults.DECODE_Q_HEADS,
                      kv_heads: int = defaults.DECODE_KV_HEADS, head_dim: int = defaults.DECODE_HEAD_DIM,
                      threads: Optional[int] = None, device: str = "cpu", impls: Optional[str] = None,
@@ -386,43 +356,39 @@ def run_decode_bench(context: int, batch: int = defaults.DECODE_BATCH, q_heads: 
     k = torch.randn(batch, kv_heads, context, head_dim, generator=g).half()
     v = torch.randn(batch, kv_heads, context, head_dim, generator=g).half()
     q = torch.randn(batch, q_heads, 1, head_dim, generator=g).half()
-    start = time.perf_counter()
-    state = fill_cache(layout, k, v, threads)
-    fill_seconds = time.perf_counter() - start
+    state, fill_seconds = time_once(fill_cache, layout, k, v, threads)
     ctx = dict(layout=layout, context=context, device=device, k=k, v=v, q=q, state=state, threads=threads)
 
     timed: Dict[str, dict] = {}
     outputs: Dict[str, torch.Tensor] = {}
-    for round_index in range(rounds):
-        for name in names if round_index % 2 == 0 else names[::-1]:
-            if name in skipped:
-                continue
-            try:
-                fn, where, cache_bytes, read = make_impl(name, ctx)
-                median, cpu, out, runs = time_step(fn, where, repeats)
-            except Skip as why:
-                if name not in timed:  # a later round's failure keeps the rounds already timed
-                    skipped[name] = str(why)
-                continue
-            outputs.setdefault(name, out.float().cpu())
-            entry = timed.setdefault(name, {"where": where, "cache_bytes": cache_bytes, "read": read, "runs": 0,
-                                            "medians": [], "cpu": []})
-            entry["medians"].append(median)
-            entry["cpu"].append(cpu)
-            entry["runs"] += runs
-            del fn  # before the next implementation is set up: one in memory at a time
+    for name in round_order(names, rounds, alternate=True):
+        if name in skipped:  # skipped in an earlier round: not set up again
+            continue
+        try:
+            fn, where, cache_bytes, read = make_impl(name, ctx)
+            timing, out = time_step(fn, where, repeats)
+        except Skip as why:
+            if name not in timed:  # a later round's failure keeps the rounds already timed
+                skipped[name] = str(why)
+            continue
+        outputs.setdefault(name, out.float().cpu())
+        entry = timed.setdefault(name, {"where": where, "cache_bytes": cache_bytes, "read": read, "rounds": []})
+        entry["rounds"].append(timing)
+        del fn  # before the next implementation is set up: one in memory at a time
     results = []
     for name in names:
         if name not in timed:
             continue
         entry = timed[name]
-        where, cache_bytes, read, runs = entry["where"], entry["cache_bytes"], entry["read"], entry["runs"]
-        median, cpu = statistics.median(entry["medians"]), statistics.median(entry["cpu"])
+        where, cache_bytes, read, timings = entry["where"], entry["cache_bytes"], entry["read"], entry["rounds"]
+        # the median of the rounds' medians: a round that met a burst of load counts as one
+        median = statistics.median(t.median_s for t in timings)
+        cpu = statistics.median(t.cpu_median_s for t in timings)
         gbs = read / median / 1e9
         gflops = flops / median / 1e9
         results.append({
-            "impl": name, "device": where, "median_ms": median * 1e3, "cpu_ms": cpu * 1e3, "repeats": runs,
-            "round_medians_ms": [m * 1e3 for m in entry["medians"]],
+            "impl": name, "device": where, "median_ms": median * 1e3, "cpu_ms": cpu * 1e3,
+            "repeats": sum(t.count for t in timings), "round_medians_ms": [t.median_s * 1e3 for t in timings],
             "cache_bytes": cache_bytes, "bytes_read": read, "gbps": gbs, "gbs": gbs,
             # the host's read bandwidth is the limit of the CPU implementations only
             "bandwidth_fraction": gbs / stream_gbs if where == "cpu" else None,
@@ -439,7 +405,7 @@ def run_decode_bench(context: int, batch: int = defaults.DECODE_BATCH, q_heads: 
         "core_isa": ctx.get("core_isa"),
         "results": results,
         "skipped": [{"impl": name, "reason": reason} for name, reason in skipped.items()],
-        "machine": {**machine_info(device, used_threads), "stream_gbs": stream_gbs, "matmul_gflops": fp32_gflops},
+        "machine": {**describe_machine(device, used_threads), "stream_gbs": stream_gbs, "matmul_gflops": fp32_gflops},
     }
 
 
@@ -484,69 +450,65 @@ def _resolve_device(device: str) -> str:
     return resolve_device(device, allow_auto=True)
 
 
-def print_report(report: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
+DECODE_COLUMNS = ("impl", "device", "median ms", "cpu ms", "cache MB", "read MB/step", "GB/s", "of stream",
+                  "of fp32 peak", "vs sdpa_fp32", "vs best dense", "max|diff|")
 
+
+def _row(r: dict) -> List[str]:
     mb = 1e6
-    table = Table(title=(f"pnmix bench decode: {report['context']} tokens, batch {report['batch']}, "
-                         f"{report['q_heads']} q heads / {report['kv_heads']} kv heads, head dim "
-                         f"{report['head_dim']}, {report['machine']['threads']} threads"))
-    for column in ("impl", "device", "median ms", "cpu ms", "cache MB", "read MB/step", "GB/s", "of stream",
-                   "of fp32 peak", "vs sdpa_fp32", "vs best dense", "max|diff|"):
-        table.add_column(column, justify="left" if column in ("impl", "device") else "right")
-    for r in report["results"]:
-        def ratio(key: str) -> str:
-            return f"{r[key]:.2f}x" if key in r else "-"
 
-        diff = r.get("max_abs_diff_vs_reference", r.get("max_abs_diff_vs_sdpa_fp32"))
-        share, compute = r.get("bandwidth_fraction"), r.get("compute_fraction")
-        table.add_row(r["impl"], r["device"], f"{r['median_ms']:.3f}", f"{r['cpu_ms']:.3f}", f"{r['cache_bytes'] / mb:.2f}",
-                      f"{r['bytes_read'] / mb:.2f}", f"{r['gbs']:.2f}", "-" if share is None else f"{share:.0%}",
-                      "-" if compute is None else f"{compute:.0%}",
-                      ratio("speedup_vs_sdpa_fp32"), ratio("speedup_vs_best_dense"),
-                      "-" if diff is None else f"{diff:.2g}")
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=160)
-    console.print(table)
+    def ratio(key: str) -> str:
+        return f"{r[key]:.2f}x" if key in r else "-"
+
+    diff = r.get("max_abs_diff_vs_reference", r.get("max_abs_diff_vs_sdpa_fp32"))
+    return [r["impl"], r["device"], f"{r['median_ms']:.3f}", f"{r['cpu_ms']:.3f}", f"{r['cache_bytes'] / mb:.2f}",
+            f"{r['bytes_read'] / mb:.2f}", f"{r['gbs']:.2f}", optional_text(r.get("bandwidth_fraction"), ".0%"),
+            optional_text(r.get("compute_fraction"), ".0%"), ratio("speedup_vs_sdpa_fp32"),
+            ratio("speedup_vs_best_dense"), optional_text(diff, ".2g")]
+
+
+def _notes(report: dict) -> List[str]:
+    mb, machine = 1e6, report["machine"]
+    notes = []
     best = next((r["best_dense"] for r in report["results"] if "best_dense" in r), None)
     if best:
-        console.print(f"best dense peer: {best}; max|diff| is vs the reference for the packed kernels, vs sdpa_fp32 "
-                      f"for the others")
-    console.print(f"streaming read bandwidth of this machine, {report['machine']['threads']} threads: "
-                  f"{report['machine']['stream_gbs']:.1f} GB/s (\"of stream\" is each row's share of it)")
+        notes.append(f"best dense peer: {best}; max|diff| is vs the reference for the packed kernels, vs sdpa_fp32 "
+                     f"for the others")
+    notes.append(f"streaming read bandwidth of this machine, {machine['threads']} threads: "
+                 f"{machine['stream_gbs']:.1f} GB/s (\"of stream\" is each row's share of it)")
     if report["rounds"] > 1:
         spread = ", ".join(f"{r['impl']} {min(r['round_medians_ms']):.2f}-{max(r['round_medians_ms']):.2f}"
                            for r in report["results"])
-        console.print(f"median ms is the median of {report['rounds']} rounds (alternating order); round medians, "
-                      f"fastest-slowest: {spread}", highlight=False)
-    rate = report["machine"]["matmul_gflops"]
+        notes.append(f"median ms is the median of {report['rounds']} rounds (alternating order); round medians, "
+                     f"fastest-slowest: {spread}")
+    rate = machine["matmul_gflops"]
     floor_ms = decode_flops(report["batch"], report["q_heads"], report["context"], report["head_dim"]) / rate / 1e6
-    console.print(f"fp32 arithmetic rate (matrix product), same threads: {rate:.1f} GFLOP/s; a step's "
-                  f"multiply-adds alone take {floor_ms:.2f} ms at that rate (\"of fp32 peak\" is each row's share of it)")
+    notes.append(f"fp32 arithmetic rate (matrix product), same threads: {rate:.1f} GFLOP/s; a step's "
+                 f"multiply-adds alone take {floor_ms:.2f} ms at that rate (\"of fp32 peak\" is each row's share of it)")
     ratio = report["dense_fp16_bytes"] / report["packed_bytes"]
-    console.print(f"packed cache {report['packed_bytes'] / mb:.2f} MB vs fp16 {report['dense_fp16_bytes'] / mb:.2f} MB "
-                  f"({ratio:.2f}x smaller); core kernel: {report['core_isa'] or '-'}; "
-                  f"cache filled in {report['fill_seconds']:.1f} s; load average "
-                  f"{', '.join(f'{x:.1f}' for x in report['machine']['load_average'] or [])}")
-    for s in report["skipped"]:
-        console.print(f"[yellow]skipped[/] {s['impl']}: {s['reason']}", highlight=False)
+    notes.append(f"packed cache {report['packed_bytes'] / mb:.2f} MB vs fp16 {report['dense_fp16_bytes'] / mb:.2f} MB "
+                 f"({ratio:.2f}x smaller); core kernel: {report['core_isa'] or '-'}; "
+                 f"cache filled in {report['fill_seconds']:.1f} s; load average "
+                 f"{', '.join(f'{x:.1f}' for x in machine['load_average'] or [])}")
+    return notes + skipped_notes(report["skipped"], "impl")
+
+
+def print_report(report: dict) -> None:
+    title = (f"pnmix bench decode: {report['context']} tokens, batch {report['batch']}, {report['q_heads']} q heads / "
+             f"{report['kv_heads']} kv heads, head dim {report['head_dim']}, {report['machine']['threads']} threads")
+    print_table(title, DECODE_COLUMNS, map(_row, report["results"]), left=("impl", "device"), notes=_notes(report))
 
 
 def decode_command(context: int, batch: int, q_heads: int, kv_heads: int, head_dim: int, threads: Optional[int],
                    device: str, impls: Optional[str], repeats: int, config: Optional[Path],
                    json_path: Optional[Path], rounds: int = 1) -> int:
     """The CLI's `pnmix bench decode` (pnmix/cli.py): print the table, write JSON, return 0."""
-    from pnmix.io import check_output_path, write_json_atomic
     from pnmix.manifest import load_manifest
 
-    if json_path is not None:
-        check_output_path(json_path)  # before the run, not after it
-    cfg = run_config(load_manifest(None), config).config
-    report = run_decode_bench(context, batch, q_heads, kv_heads, head_dim, threads, _resolve_device(device),
-                              impls, repeats, cfg, rounds=rounds)
-    print_report(report)
-    if json_path is not None:
-        write_json_atomic(json_path, report)
+    def run() -> dict:
+        cfg = run_config(load_manifest(None), config).config
+        return run_decode_bench(context, batch, q_heads, kv_heads, head_dim, threads, _resolve_device(device),
+                                impls, repeats, cfg, rounds=rounds)
+
+    run_report(json_path, run, print_report)
     return 0

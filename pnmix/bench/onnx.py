@@ -8,17 +8,17 @@ step, so each repetition does the same work.
 
 from __future__ import annotations
 
-import os
-import statistics
 import tempfile
-import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import torch
 
 from pnmix import defaults
+from pnmix.bench.report import print_table, run_report
+from pnmix.bench.timing import time_interleaved
 from pnmix.errors import PnMixError
+from pnmix.machine import describe_machine
 
 
 MAX_REPEATS = 1_000_000
@@ -54,10 +54,6 @@ def _fill(reference, tokens: torch.Tensor) -> None:
     (the cache does not depend on it; its n x n scores would not fit for a long context)."""
     qkv = reference.model.qkv(tokens, 0, reference.tables)
     reference.cache.append(qkv.k, qkv.v)
-
-
-def _median_ms(samples: List[float]) -> float:
-    return statistics.median(samples) * 1e3
 
 
 def bench(max_seq_len: int = defaults.EXPORT_MAX_SEQ_LEN, context: Optional[int] = None,
@@ -97,25 +93,20 @@ def bench(max_seq_len: int = defaults.EXPORT_MAX_SEQ_LEN, context: Optional[int]
         saved = {name: t.clone() for name, t in filled.items()}
 
         onnx_backend = OnnxBackend(config, info.seed, capacity, model=model)
-        # Wall time, and the process's CPU time (all threads): on a shared machine the second
-        # says what a step costs when the wall clock also counts waiting for a core.
-        onnx_times, torch_times, onnx_cpu, torch_cpu = [], [], [], []
-        for _ in range(repeats + 1):  # the first round warms both up and is dropped
-            onnx_backend.load_state(saved, context)
-            began, cpu = time.perf_counter(), time.process_time()
-            onnx_backend.step(step_token, context, write=True)
-            onnx_times.append(time.perf_counter() - began)
-            onnx_cpu.append(time.process_time() - cpu)
-            reference.cache.import_state(saved, context)
-            began, cpu = time.perf_counter(), time.process_time()
-            reference.step(step_token, context, write=True)
-            torch_times.append(time.perf_counter() - began)
-            torch_cpu.append(time.process_time() - cpu)
+        # The two sides take turns, each from the saved state (restored untimed before every
+        # step); one untimed round warms both up. Wall and CPU time are both reported.
+        onnx_timing, torch_timing = time_interleaved(
+            [lambda: onnx_backend.step(step_token, context, write=True),
+             lambda: reference.step(step_token, context, write=True)],
+            repeats, warmup_rounds=1,
+            before=[lambda: onnx_backend.load_state(saved, context),
+                    lambda: reference.cache.import_state(saved, context)])
         _, onnx_state, _ = onnx_backend.state()
         _, torch_state, _ = reference.state()
         from pnmix.dump import dump_state
 
         identical = dump_state(onnx_backend.layout, onnx_state, context + 1) == dump_state(layout, torch_state, context + 1)
+        machine = describe_machine(onnxruntime=True)  # after the run: its load average is the run's
         return {
             "model": str(model) if export_seconds is None else None,
             "max_seq_len": capacity,
@@ -123,60 +114,39 @@ def bench(max_seq_len: int = defaults.EXPORT_MAX_SEQ_LEN, context: Optional[int]
             "repeats": repeats,
             "export_seconds": export_seconds,
             "file_bytes": Path(model).stat().st_size,
-            "onnxruntime_ms_per_decode_step": _median_ms(onnx_times[1:]),
-            "torch_reference_ms_per_decode_step": _median_ms(torch_times[1:]),
-            "onnxruntime_over_torch": _median_ms(onnx_times[1:]) / _median_ms(torch_times[1:]),
-            "onnxruntime_cpu_ms_per_decode_step": _median_ms(onnx_cpu[1:]),
-            "torch_reference_cpu_ms_per_decode_step": _median_ms(torch_cpu[1:]),
-            "load_average_1min": _load_average(),
+            "onnxruntime_ms_per_decode_step": onnx_timing.median_s * 1e3,
+            "torch_reference_ms_per_decode_step": torch_timing.median_s * 1e3,
+            "onnxruntime_over_torch": onnx_timing.median_s / torch_timing.median_s,
+            "onnxruntime_cpu_ms_per_decode_step": onnx_timing.cpu_median_s * 1e3,
+            "torch_reference_cpu_ms_per_decode_step": torch_timing.cpu_median_s * 1e3,
+            "load_average_1min": (machine["load_average"] or [None])[0],
             "packed_bytes_identical_after_step": identical,
-            "threads": torch.get_num_threads(),
-            "onnxruntime_version": _ort_version(),
+            "threads": machine["threads"],
+            "onnxruntime_version": machine["onnxruntime"],
             "config": config.to_dict(),
+            "machine": machine,
         }
 
 
-def _load_average() -> Optional[float]:
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return None
-
-
-def _ort_version() -> str:
-    import onnxruntime
-
-    return onnxruntime.__version__
+def print_bench(report: Dict[str, Any]) -> None:
+    export = report["export_seconds"]
+    rows = [("export time", "-" if export is None else f"{export:.3f} s"),
+            ("file size", f"{report['file_bytes']:,} bytes"),
+            ("ONNX Runtime CPU, per decode step", f"{report['onnxruntime_ms_per_decode_step']:.3f} ms"),
+            ("PyTorch reference, per decode step", f"{report['torch_reference_ms_per_decode_step']:.3f} ms"),
+            ("ONNX Runtime / reference", f"{report['onnxruntime_over_torch']:.2f}x"),
+            ("CPU time per step: ONNX Runtime / reference",
+             f"{report['onnxruntime_cpu_ms_per_decode_step']:.3f} / {report['torch_reference_cpu_ms_per_decode_step']:.3f} ms")]
+    if report["load_average_1min"] is not None:
+        rows.append(("load average (1 min) after the run", f"{report['load_average_1min']:.1f}"))
+    rows.append(("packed bytes identical after the step", str(report["packed_bytes_identical_after_step"])))
+    print_table(f"pnmix bench onnx: decode step at context {report['context']} (capacity {report['max_seq_len']}), "
+                f"median of {report['repeats']}", ("figure", "value"), rows, left=("figure",))
 
 
 def bench_command(max_seq_len: int, context: Optional[int], repeats: int, model: Optional[Path],
                   json_path: Optional[Path]) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    from pnmix.io import check_output_path
-
-    if json_path is not None:
-        check_output_path(json_path)  # before the run, not after it
-    report = bench(max_seq_len, context, repeats, model)
-    table = Table(title=f"pnmix bench onnx: decode step at context {report['context']} "
-                        f"(capacity {report['max_seq_len']}), median of {report['repeats']}")
-    table.add_column("figure")
-    table.add_column("value", justify="right")
-    export = report["export_seconds"]
-    table.add_row("export time", "-" if export is None else f"{export:.3f} s")
-    table.add_row("file size", f"{report['file_bytes']:,} bytes")
-    table.add_row("ONNX Runtime CPU, per decode step", f"{report['onnxruntime_ms_per_decode_step']:.3f} ms")
-    table.add_row("PyTorch reference, per decode step", f"{report['torch_reference_ms_per_decode_step']:.3f} ms")
-    table.add_row("ONNX Runtime / reference", f"{report['onnxruntime_over_torch']:.2f}x")
-    table.add_row("CPU time per step: ONNX Runtime / reference",
-                  f"{report['onnxruntime_cpu_ms_per_decode_step']:.3f} / {report['torch_reference_cpu_ms_per_decode_step']:.3f} ms")
-    if report["load_average_1min"] is not None:
-        table.add_row("load average (1 min) after the run", f"{report['load_average_1min']:.1f}")
-    table.add_row("packed bytes identical after the step", str(report["packed_bytes_identical_after_step"]))
-    Console().print(table)
-    if json_path is not None:
-        from pnmix.io import write_json_atomic
-
-        write_json_atomic(json_path, report)
+    """The CLI's `pnmix bench onnx` (pnmix/cli.py): print the table, write JSON; 1 when the packed
+    bytes of the two sides differ after the step."""
+    report = run_report(json_path, lambda: bench(max_seq_len, context, repeats, model), print_bench)
     return 0 if report["packed_bytes_identical_after_step"] else 1

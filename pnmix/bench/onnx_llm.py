@@ -18,18 +18,20 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import numpy as np
 
+from pnmix import defaults
 from pnmix.errors import PnMixError
 
 from pnmix.backends.onnxruntime.llm_session import LlmSession
-from pnmix.generate import rate_text
+from pnmix.bench.report import print_table, rate_text, run_report
+from pnmix.bench.timing import Stopwatch, time_once
+from pnmix.machine import describe_machine
 
-DEFAULT_CONTEXTS = (512, 2048, 4096)
+DEFAULT_CONTEXTS = defaults.BENCH_LLM_CONTEXTS
 
 
 def names_an_llm(spec: str) -> bool:
@@ -55,16 +57,19 @@ def _ids(tokenizer, count: int) -> List[int]:
     return list(ids[:count])
 
 
+def _rates(prompt_tokens: int, prefill_s: float, decode: Stopwatch) -> Dict[str, float]:
+    """Prefill tokens/s of the one prefill call, decode tokens/s over the timed decode steps."""
+    timing = decode.timing()
+    return {"prefill_tokens_per_s": prompt_tokens / prefill_s, "decode_tokens_per_s": timing.count / timing.total_s}
+
+
 def time_pnmix(path: Path, ids: List[int], repeats: int, threads: Optional[int]) -> Dict[str, Any]:
     session = LlmSession(path, threads)
-    began = time.perf_counter()
-    logits = session.step(ids)
-    prefill = time.perf_counter() - began
-    began = time.perf_counter()
+    logits, prefill = time_once(session.step, ids)
+    decode = Stopwatch()
     for _ in range(repeats):
-        logits = session.step([int(np.argmax(logits))])
-    decode = time.perf_counter() - began
-    return {"prefill_tokens_per_s": len(ids) / prefill, "decode_tokens_per_s": repeats / decode,
+        logits = decode.time(session.step, [int(np.argmax(logits))])
+    return {**_rates(len(ids), prefill, decode),
             "kv_bytes": session.cache_bytes()["persistent_cache_bytes"],
             "kv_bytes_allocated": session.cache_bytes()["allocated_bytes"]}
 
@@ -78,21 +83,17 @@ def time_peer(folder: Path, ids: List[int], repeats: int) -> Dict[str, Any]:
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=len(ids) + repeats + 1, do_sample=False)
     generator = og.Generator(model, params)
-    began = time.perf_counter()
-    generator.append_tokens(ids)
-    prefill = time.perf_counter() - began
-    began = time.perf_counter()
+    prefill = time_once(generator.append_tokens, ids)[1]
+    decode = Stopwatch()
     for _ in range(repeats):
-        generator.generate_next_token()
-    decode = time.perf_counter() - began
-    return {"prefill_tokens_per_s": len(ids) / prefill, "decode_tokens_per_s": repeats / decode}
+        decode.time(generator.generate_next_token)
+    return _rates(len(ids), prefill, decode)
 
 
 def fp_kv_bytes(model_config, tokens: int, bytes_per: int) -> int:
-    from pnmix.export.llama import Dims
+    from pnmix.hf.models import ModelDims
 
-    dims = Dims(model_config)
-    return 2 * dims.layers * dims.kv_heads * dims.head_dim * tokens * bytes_per
+    return ModelDims.from_config(model_config).kv_bytes(tokens, bytes_per)
 
 
 def build_peer(model: str, folder: Path) -> Path:
@@ -125,7 +126,7 @@ def build_peer(model: str, folder: Path) -> Path:
     return out
 
 
-def bench_llm(model: str, contexts=DEFAULT_CONTEXTS, repeats: int = 16, onnx_path: Optional[Path] = None,
+def bench_llm(model: str, contexts=DEFAULT_CONTEXTS, repeats: int = defaults.BENCH_REPEATS, onnx_path: Optional[Path] = None,
               peer: str = "auto", threads: Optional[int] = None) -> Dict[str, Any]:
     from pnmix.hf.models import load_model_config, load_tokenizer, resolve_model
 
@@ -144,9 +145,7 @@ def bench_llm(model: str, contexts=DEFAULT_CONTEXTS, repeats: int = 16, onnx_pat
             report.update(export_seconds=result.seconds, file_bytes=result.file_bytes, data_bytes=result.data_bytes)
         peer_folder = None
         if peer == "auto":
-            began = time.perf_counter()
-            peer_folder = build_peer(model, folder)
-            report["peer_build_seconds"] = time.perf_counter() - began
+            peer_folder, report["peer_build_seconds"] = time_once(build_peer, model, folder)
         elif peer != "none":
             peer_folder = Path(peer)
         for context in contexts:
@@ -157,30 +156,38 @@ def bench_llm(model: str, contexts=DEFAULT_CONTEXTS, repeats: int = 16, onnx_pat
             row["fp32_kv_bytes"] = fp_kv_bytes(model_config, context + repeats, 4)
             row["fp16_kv_bytes"] = fp_kv_bytes(model_config, context + repeats, 2)
             report["rows"].append(row)
+    report["machine"] = describe_machine(threads=threads, onnxruntime=True)
     return report
+
+
+LLM_COLUMNS = ("context", "pnmix prefill/s", "pnmix decode/s", "peer prefill/s", "peer decode/s",
+               "pnmix KV bytes", "fp32 KV bytes", "fp16 KV bytes")
+
+
+def print_bench_llm(report: Dict[str, Any]) -> None:
+    rows = []
+    for row in report["rows"]:
+        mine, peer_row = row["pnmix"], row.get("peer", {})
+        rows.append((str(row["context"]), f"{mine['prefill_tokens_per_s']:.1f}", f"{mine['decode_tokens_per_s']:.2f}",
+                     rate_text(peer_row.get("prefill_tokens_per_s"), 2), rate_text(peer_row.get("decode_tokens_per_s"), 2),
+                     str(mine["kv_bytes"]), str(row["fp32_kv_bytes"]), str(row["fp16_kv_bytes"])))
+    notes = []
+    if "export_seconds" in report:
+        notes.append(f"export: {report['export_seconds']:.1f} s, {report['file_bytes']} + {report['data_bytes']} bytes")
+    print_table(f"pnmix bench onnx --model {report['model']}: {report['repeats']} decode steps per context",
+                LLM_COLUMNS, rows, notes=notes)
 
 
 def bench_llm_command(model: str, contexts: str, repeats: int, onnx_path: Optional[Path], peer: str,
                       json_path: Optional[Path]) -> int:
-    from pnmix.io import check_output_path, write_json_atomic
-
-    if json_path is not None:
-        check_output_path(json_path)
+    """The CLI's `pnmix bench onnx --model` (pnmix/cli.py): print the table, write JSON, return 0."""
     from pnmix.errors import parse_positive_ints
 
-    chosen = tuple(parse_positive_ints(contexts, "--contexts"))
-    if repeats < 1:
-        raise PnMixError(f"--repeats must be >= 1, got {repeats}")
-    report = bench_llm(model, chosen, repeats, onnx_path, peer)
-    if "export_seconds" in report:
-        print(f"export: {report['export_seconds']:.1f} s, {report['file_bytes']} + {report['data_bytes']} bytes")
-    print(f"{'context':>8} {'pnmix prefill/s':>16} {'pnmix decode/s':>15} {'peer prefill/s':>15} "
-          f"{'peer decode/s':>14} {'pnmix KV bytes':>15} {'fp32 KV bytes':>14} {'fp16 KV bytes':>14}")
-    for row in report["rows"]:
-        mine, peer_row = row["pnmix"], row.get("peer", {})
-        print(f"{row['context']:>8} {mine['prefill_tokens_per_s']:>16.1f} {mine['decode_tokens_per_s']:>15.2f} "
-              f"{rate_text(peer_row.get('prefill_tokens_per_s'), 2):>15} {rate_text(peer_row.get('decode_tokens_per_s'), 2):>14} "
-              f"{mine['kv_bytes']:>15} {row['fp32_kv_bytes']:>14} {row['fp16_kv_bytes']:>14}")
-    if json_path is not None:
-        write_json_atomic(json_path, report)
+    def run() -> Dict[str, Any]:
+        chosen = tuple(parse_positive_ints(contexts, "--contexts"))
+        if repeats < 1:
+            raise PnMixError(f"--repeats must be >= 1, got {repeats}")
+        return bench_llm(model, chosen, repeats, onnx_path, peer)
+
+    run_report(json_path, run, print_bench_llm)
     return 0

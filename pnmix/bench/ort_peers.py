@@ -15,7 +15,7 @@ A mode that ONNX Runtime cannot build or run is reported as skipped with its rea
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+from typing import Any, Callable, Dict, Optional
 
 import numpy as np
 import torch
@@ -82,7 +82,7 @@ def _graph(mode: OrtMode, batch: int, q_heads: int, kv_heads: int, seq_len: int,
               tensor("seqlens_k", TensorProto.INT32, [batch]),
               tensor("total_sequence_length", TensorProto.INT32, [])]
     names = [i.name for i in inputs]
-    attrs = dict(num_heads=q_heads, kv_num_heads=kv_heads)
+    attrs: Dict[str, Any] = dict(num_heads=q_heads, kv_num_heads=kv_heads)
     if mode.quant:
         attrs.update(k_quant_type=mode.quant, v_quant_type=mode.quant, kv_cache_bit_width=mode.bits)
         shape = _scale_shape(mode, kv_heads, head_dim)
@@ -122,14 +122,12 @@ def make_step(name: str, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, thre
         import onnxruntime as ort
     except ImportError as exc:
         raise Unavailable(f"onnxruntime is not importable ({describe(exc)})") from None
+    from pnmix.backends.onnxruntime.session import open_session, session_options
     batch, kv_heads, seq_len, head_dim = k.shape
     q_heads = q.shape[1]
     try:
         graph = _graph(mode, batch, q_heads, kv_heads, seq_len, head_dim)
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        session = ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
+        session = open_session(graph, session_options(threads, inter_op_threads=1))
     except Exception as exc:  # no onnx, or this onnxruntime lacks the op / mode
         raise Unavailable(f"onnxruntime {getattr(ort, '__version__', '?')} cannot build it: {describe(exc)}") from None
     kf, vf = k.float().numpy(), v.float().numpy()

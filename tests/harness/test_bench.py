@@ -172,3 +172,76 @@ def test_cli_prints_and_writes_json(tmp_path):
     assert "machine" in data and "pnmix bench decode" in result.output
     bad = CliRunner().invoke(app, ["bench", "decode", "--context", "0"])
     assert bad.exit_code == 2 and "--context" in bad.output
+
+
+# ---- the shared timer (pnmix.bench.timing) ---------------------------------------------------
+
+
+@pytest.fixture
+def fake_clock(monkeypatch):
+    """A clock that moves only when a timed function advances it: the samples are exact."""
+    from pnmix.bench import timing
+
+    now = [0.0]
+    monkeypatch.setattr(timing, "_wall", lambda: now[0])
+    monkeypatch.setattr(timing, "_cpu", lambda: now[0] / 2)  # two threads' worth of waiting
+    return now
+
+
+def _calls_taking(now, seconds):
+    """A function whose n-th call takes seconds[n] on the fake clock; .calls counts them."""
+    def fn():
+        now[0] += seconds[fn.calls]
+        fn.calls += 1
+        return fn.calls
+
+    fn.calls = 0
+    return fn
+
+
+def test_the_timer_leaves_the_warm_up_calls_out_and_reports_the_median(fake_clock):
+    from pnmix.bench.timing import time_calls
+
+    fn = _calls_taking(fake_clock, [100.0, 50.0, 3.0, 1.0, 2.0])
+    timing, result = time_calls(fn, repeats=3, warmup=2)
+    assert fn.calls == 5 and result == 5  # two warm-up calls, three timed; the last call's result
+    assert timing.samples_s == (3.0, 1.0, 2.0) and timing.count == 3
+    assert timing.median_s == 2.0 and timing.best_s == 1.0 and timing.total_s == 6.0
+    assert timing.cpu_samples_s == (1.5, 0.5, 1.0) and timing.cpu_median_s == 1.0
+    assert timing.percentile_s(0) == 1.0 and timing.percentile_s(50) == 2.0
+
+
+def test_a_slow_first_warm_up_is_the_only_one_and_caps_the_repeats(fake_clock):
+    from pnmix.bench.timing import time_calls
+
+    fn = _calls_taking(fake_clock, [5.0] * 10)
+    timing, _ = time_calls(fn, repeats=8, warmup=2, slow_s=1.0, slow_repeats=3)
+    assert fn.calls == 1 + 3 and timing.samples_s == (5.0, 5.0, 5.0)
+    fast = _calls_taking(fake_clock, [0.5] * 10)
+    assert time_calls(fast, repeats=8, warmup=2, slow_s=1.0)[0].count == 8 and fast.calls == 10
+
+
+def test_best_seconds_is_the_fastest_timed_call(fake_clock):
+    from pnmix.bench.timing import best_seconds
+
+    assert best_seconds(_calls_taking(fake_clock, [0.1, 9.0, 4.0, 6.0]), runs=3) == 4.0
+
+
+def test_rounds_take_the_calls_in_turn_after_untimed_warm_up_rounds(fake_clock):
+    from pnmix.bench.timing import round_order, time_interleaved
+
+    log = []
+
+    def call(name, seconds):
+        def fn():
+            log.append(name)
+            fake_clock[0] += seconds
+        return fn
+
+    timings = time_interleaved([call("a", 1.0), call("b", 2.0)], rounds=3, per_round=2, warmup_rounds=1,
+                               before=[lambda: log.append("restore a"), lambda: log.append("restore b")])
+    one_round = ["restore a", "a", "restore a", "a", "restore b", "b", "restore b", "b"]
+    assert log == one_round * 4  # a warm-up round, then three timed ones
+    assert [t.samples_s for t in timings] == [(1.0,) * 6, (2.0,) * 6]
+    assert list(round_order(["x", "y", "z"], 3, alternate=True)) == ["x", "y", "z", "z", "y", "x", "x", "y", "z"]
+    assert list(round_order(["x", "y"], 2)) == ["x", "y", "x", "y"]
