@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 from .backends.onnxruntime.llm_session import LlmSession, greedy
+from .bench.report import rate_text
 from .errors import PnMixError
 from .export.llm_file import check_tokenizer, read_llm_info
 
@@ -57,8 +58,3 @@ def generate_command(model: Path, tokenizer: str, prompt: Optional[str], prompt_
           f"packed cache {report['persistent_cache_bytes']} bytes used, {report['allocated_bytes']} allocated")
     report_file.write(report)
     return 0
-
-
-def rate_text(value: Optional[float], digits: int = 1) -> str:
-    """A tokens/s figure for a table, "-" where there is none."""
-    return "-" if value is None else f"{value:.{digits}f}"
