@@ -22,7 +22,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import onnx
@@ -37,6 +37,10 @@ from pnmix.format import STATE_NAMES, CacheLayout
 from pnmix.model import HEAD_DIM, KV_HEADS, Q_HEADS, SEED_RANGE, DiagnosticModel, project, rope_indices, rope_tables
 
 from . import ops, torch_ops, tracing
+from .append_body import append_function
+from .attention_body import attention_function
+from .modelfile import GRAPH_INPUTS, GRAPH_OUTPUTS
+from .tracing import state_name
 
 MIN_OPSET = 18  # ReduceMin/ReduceMax take axes as an input from opset 18
 DEFAULT_OPSET = defaults.EXPORT_OPSET
@@ -46,8 +50,6 @@ ROPE_BYTES_PER_TOKEN = HEAD_DIM * 4
 MAX_EXPORT_SEQ_LEN = ((1 << 31) - (4 << 20)) // ROPE_BYTES_PER_TOKEN
 EXPORT_BYTES_PER_TOKEN = 1024  # peak memory while tracing and checking, measured (~900 at 1M-4M positions)
 WEIGHT_NAMES = ("q_table", "k_table", "v_table", "o_weight_t")
-GRAPH_INPUTS = ("tokens", "seq_len", "new_len", *STATE_NAMES)
-GRAPH_OUTPUTS = ("attention", "output", *(f"present_{name}" for name in STATE_NAMES))
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,14 @@ class DiagnosticStep(nn.Module):
     The model part is pnmix.model.project itself (token tables, RoPE, fp16 K/V) at the positions
     seq_len + new_len - n .. (write mode starts at seq_len, evaluation at seq_len - n), then the
     two pn-mix ops and the output projection."""
+
+    # buffers registered in __init__ (the weights under WEIGHT_NAMES, then the RoPE tables)
+    q_table: torch.Tensor
+    k_table: torch.Tensor
+    v_table: torch.Tensor
+    o_weight_t: torch.Tensor
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
 
     def __init__(self, config: PnMixConfig, layout: CacheLayout, seed: int):
         super().__init__()
@@ -166,16 +176,18 @@ def build_op_model(op: str, config: PnMixConfig, max_seq_len: int, batch: int = 
     for testing a runtime or a plugin op by op on K/V of one's choosing."""
     layout = check_export_args(config, max_seq_len, batch, opset)
     shapes = layout.state_shapes()
-    kv = [batch, KV_HEADS, "n", HEAD_DIM]
-    specs = {"q": (TensorProto.FLOAT16, [batch, q_heads, "n", HEAD_DIM]), "k_new": (TensorProto.FLOAT16, kv),
+    kv: List[Union[str, int]] = [batch, KV_HEADS, "n", HEAD_DIM]
+    specs: Dict[str, Tuple[int, Sequence[Union[str, int]]]] = {"q": (TensorProto.FLOAT16, [batch, q_heads, "n", HEAD_DIM]), "k_new": (TensorProto.FLOAT16, kv),
              "v_new": (TensorProto.FLOAT16, kv), "seq_len": (TensorProto.INT64, []), "new_len": (TensorProto.INT64, [])}
     specs.update({name: (ops.STATE_ONNX_TYPES[name], list(shapes[name])) for name in STATE_NAMES})
     specs["attention"] = (TensorProto.FLOAT, [batch, q_heads, "n", HEAD_DIM])
-    specs.update({f"present_{name}": specs[name] for name in STATE_NAMES})
+    specs.update({state_name(name, present=True): specs[name] for name in STATE_NAMES})
+    inputs: Tuple[str, ...]
+    outputs: Tuple[str, ...]
     if op == ops.ATTENTION_OP:
-        inputs, outputs, function = ops.ATTENTION_INPUTS, ops.ATTENTION_OUTPUTS, ops.attention_function(layout, q_heads, opset)
+        inputs, outputs, function = ops.ATTENTION_INPUTS, ops.ATTENTION_OUTPUTS, attention_function(layout, q_heads, opset)
     elif op == ops.APPEND_OP:
-        inputs, outputs, function = ops.APPEND_INPUTS, ops.APPEND_OUTPUTS, ops.append_function(layout, opset)
+        inputs, outputs, function = ops.APPEND_INPUTS, ops.APPEND_OUTPUTS, append_function(layout, opset)
     else:
         raise PnMixError(f"unknown pn-mix op {op!r}; choose {ops.ATTENTION_OP} or {ops.APPEND_OP}")
     node = helper.make_node(op, list(inputs), list(outputs), domain=ops.DOMAIN, **ops.node_attributes(config))

@@ -19,7 +19,9 @@ full logits would be [4096, vocab] fp32 (800 MB for SmolLM2).
 
 from __future__ import annotations
 
-from typing import Any, List, Sequence, Tuple
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -27,20 +29,14 @@ from torch import nn
 from pnmix.config import PnMixConfig
 from pnmix.errors import PnMixError
 from pnmix.format import STATE_NAMES, CacheLayout
+from pnmix.hf.models import ModelDims
 
 from . import torch_ops
+from .tracing import state_name
 
 # Rope types whose cos/sin do not depend on the sequence length (the table is built once).
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 ROPE_TABLE_BLOCK = 256  # positions per rotary-module call (keeps each call single-threaded)
-
-
-def state_input_name(layer: int, name: str) -> str:
-    return f"past.{layer}.{name}"
-
-
-def state_output_name(layer: int, name: str) -> str:
-    return f"present.{layer}.{name}"
 
 
 def rope_type(model_config: Any) -> str:
@@ -49,7 +45,7 @@ def rope_type(model_config: Any) -> str:
     return str(scaling.get("rope_type") or scaling.get("type") or params.get("rope_type") or "default")
 
 
-def rope_table(hf_model: nn.Module, max_seq_len: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def rope_table(hf_model: Any, max_seq_len: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [max_seq_len, D] from the model's own rotary module, in blocks of positions.
 
     Blocks keep every call below torch's parallel grain, so each element goes through the same
@@ -110,7 +106,7 @@ def _linear(source: nn.Linear) -> nn.Linear:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, hf_layer: nn.Module, dims: "Dims"):
+    def __init__(self, hf_layer: Any, dims: "Dims"):
         super().__init__()
         attn, mlp = hf_layer.self_attn, hf_layer.mlp
         self.dims = dims
@@ -130,7 +126,7 @@ class DecoderLayer(nn.Module):
         q = self.q_proj(h).view(batch, n, d.q_heads, d.head_dim)
         k = self.k_proj(h).view(batch, n, d.kv_heads, d.head_dim)
         v = self.v_proj(h).view(batch, n, d.kv_heads, d.head_dim).transpose(1, 2)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # Qwen3: both or neither
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         q = (q * cos) + (rotate_half(q) * sin)
@@ -148,29 +144,33 @@ class DecoderLayer(nn.Module):
         return x, present
 
 
-class Dims:
-    """The shapes of a supported transformers config (one-line errors for what is not supported)."""
+@dataclass(frozen=True)
+class Dims(ModelDims):
+    """ModelDims plus what the decoder needs of a supported config (one-line errors for what is
+    not supported)."""
 
-    def __init__(self, model_config: Any):
+    model_type: str
+    hidden: int
+    vocab: int
+    eps: float
+    sliding_window: Optional[int]
+
+    @classmethod
+    def from_config(cls, model_config: Any) -> "Dims":
         from pnmix.hf.models import check_architecture
 
-        self.model_type = check_architecture(getattr(model_config, "model_type", None), "the model")
-        self.layers = int(model_config.num_hidden_layers)
-        self.hidden = int(model_config.hidden_size)
-        self.q_heads = int(model_config.num_attention_heads)
-        self.kv_heads = int(getattr(model_config, "num_key_value_heads", None) or self.q_heads)
-        self.head_dim = int(getattr(model_config, "head_dim", None) or self.hidden // self.q_heads)
-        self.vocab = int(model_config.vocab_size)
-        self.eps = float(model_config.rms_norm_eps)
-        self.max_positions = int(getattr(model_config, "max_position_embeddings", 0) or 0)
-        self.sliding_window = getattr(model_config, "sliding_window", None) \
-            if getattr(model_config, "use_sliding_window", True) else None
+        model_type = check_architecture(getattr(model_config, "model_type", None), "the model")
         kind = rope_type(model_config)
         if kind not in STATIC_ROPE_TYPES:
             raise PnMixError(f"rope type '{kind}' depends on the sequence length; the exporter supports "
                              f"{', '.join(STATIC_ROPE_TYPES)}")
         if getattr(model_config, "hidden_act", "silu") != "silu":
             raise PnMixError(f"hidden_act '{model_config.hidden_act}' is not the Llama family's silu")
+        window = getattr(model_config, "sliding_window", None) if getattr(model_config, "use_sliding_window", True) \
+            else None
+        return cls(**dataclasses.asdict(ModelDims.from_config(model_config)), model_type=model_type,
+                   hidden=int(model_config.hidden_size), vocab=int(model_config.vocab_size),
+                   eps=float(model_config.rms_norm_eps), sliding_window=int(window) if window else None)
 
     def check_capacity(self, max_seq_len: int) -> None:
         if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
@@ -178,7 +178,7 @@ class Dims:
         if self.max_positions and max_seq_len > self.max_positions:
             raise PnMixError(f"--max-seq-len {max_seq_len} is beyond the model's {self.max_positions} positions "
                              "(max_position_embeddings)")
-        if self.sliding_window and max_seq_len > int(self.sliding_window):
+        if self.sliding_window and max_seq_len > self.sliding_window:
             raise PnMixError(f"--max-seq-len {max_seq_len} is beyond the model's sliding window "
                              f"({self.sliding_window}): pn-mix keeps every token, full causal attention only")
 
@@ -186,9 +186,12 @@ class Dims:
 class PnMixDecoder(nn.Module):
     """The whole decoder of a Llama-family model over per-layer packed states (see the module doc)."""
 
-    def __init__(self, hf_model: nn.Module, config: PnMixConfig, max_seq_len: int, batch: int = 1):
+    rope_cos: torch.Tensor  # [max_seq_len, D], buffers registered in __init__
+    rope_sin: torch.Tensor
+
+    def __init__(self, hf_model: Any, config: PnMixConfig, max_seq_len: int, batch: int = 1):
         super().__init__()
-        self.dims = dims = Dims(hf_model.config)
+        self.dims = dims = Dims.from_config(hf_model.config)
         dims.check_capacity(max_seq_len)
         self.layout = CacheLayout(config, batch, dims.kv_heads, dims.head_dim, max_seq_len)
         self.config_text = torch_ops.config_text(config)
@@ -206,8 +209,8 @@ class PnMixDecoder(nn.Module):
 
     # ---- state -----------------------------------------------------------------------------
     def state_names(self) -> Tuple[List[str], List[str]]:
-        inputs = [state_input_name(i, name) for i in range(self.dims.layers) for name in STATE_NAMES]
-        outputs = [state_output_name(i, name) for i in range(self.dims.layers) for name in STATE_NAMES]
+        inputs = [state_name(name, i) for i in range(self.dims.layers) for name in STATE_NAMES]
+        outputs = [state_name(name, i, present=True) for i in range(self.dims.layers) for name in STATE_NAMES]
         return inputs, outputs
 
     def empty_state(self) -> List[torch.Tensor]:

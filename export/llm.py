@@ -16,7 +16,6 @@ was made from, so generate/verify can refuse a tokenizer that does not match.
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import time
@@ -28,11 +27,13 @@ from pnmix import defaults
 from pnmix.config import PnMixConfig, read_json_file
 from pnmix.errors import PnMixError, describe
 
-from .llm_file import LLM_KIND, tokenizer_fingerprint
+from .llm_file import LlmMetadata, tokenizer_fingerprint
 from .tracing import finish
 
 EXPORT_OPSET = defaults.EXPORT_OPSET
 DTYPES = ("fp32", "fp16")
+
+
 @dataclass(frozen=True)
 class LlmExportResult:
     path: Path
@@ -45,9 +46,9 @@ class LlmExportResult:
 
 
 def llm_config(model_config: Any, config_path: Optional[Path]) -> PnMixConfig:
-    """The cache config of an export: PnMixCache's default for the model (pnmix.hf.cache), with the
+    """The cache config of an export: PnMixCache's default for the model (pnmix.hf.models), with the
     fields of a --config JSON file laid over it; the same config the torch side of verify uses."""
-    from pnmix.hf.cache import resolve_config
+    from pnmix.hf.models import resolve_config
 
     fields: Dict[str, Any] = {}
     if config_path is not None:
@@ -69,7 +70,7 @@ def build_decoder(source, dtype: str, max_seq_len: int, config_path: Optional[Pa
     if dtype not in DTYPES:
         raise PnMixError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     model_config = load_model_config(source)
-    Dims(model_config).check_capacity(max_seq_len)
+    Dims.from_config(model_config).check_capacity(max_seq_len)
     config = llm_config(model_config, config_path)
     hf_model = load_causal_lm(source, dtype, model_config=model_config)
     return PnMixDecoder(hf_model, config, max_seq_len).eval(), hf_model, model_config
@@ -104,8 +105,9 @@ def save_atomic(ir_model, path: Path) -> Path:
     return data_path
 
 
-def export_llm(model: str, output: Path, max_seq_len: int = 2048, config_path: Optional[Path] = None,
-               dtype: str = "fp32", check: bool = True) -> LlmExportResult:
+def export_llm(model: str, output: Path, max_seq_len: int = defaults.EXPORT_MAX_SEQ_LEN,
+               config_path: Optional[Path] = None, dtype: str = defaults.LLM_EXPORT_DTYPE,
+               check: bool = True) -> LlmExportResult:
     from pnmix.hf.models import load_tokenizer, resolve_model
     from pnmix.io import check_output_path
 
@@ -116,14 +118,12 @@ def export_llm(model: str, output: Path, max_seq_len: int = 2048, config_path: O
     tokenizer = load_tokenizer(source)
     dims = decoder.dims
     ir_model = trace(decoder)
-    finish(ir_model, decoder.layout, dims.q_heads, EXPORT_OPSET, {
-        "kind": LLM_KIND, "format_version": "1",
-        "config": json.dumps(decoder.layout.config.to_dict(), sort_keys=True),
-        "max_seq_len": str(max_seq_len), "batch": "1", "model": source.name, "model_type": dims.model_type,
-        "layers": str(dims.layers), "q_heads": str(dims.q_heads), "kv_heads": str(dims.kv_heads),
-        "head_dim": str(dims.head_dim), "vocab_size": str(dims.vocab), "dtype": dtype,
-        "tokenizer_sha256": tokenizer_fingerprint(tokenizer),
-    })
+    layout = decoder.layout
+    metadata = LlmMetadata(config=layout.config, max_seq_len=layout.max_seq_len, batch=layout.batch,
+                           model=source.name, model_type=dims.model_type, layers=dims.layers, q_heads=dims.q_heads,
+                           kv_heads=dims.kv_heads, head_dim=dims.head_dim, vocab_size=dims.vocab, dtype=dtype,
+                           tokenizer_sha256=tokenizer_fingerprint(tokenizer))
+    finish(ir_model, layout, dims.q_heads, EXPORT_OPSET, metadata.to_props())
     data_path = save_atomic(ir_model, output)
     if check:
         check_written(output)

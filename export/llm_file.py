@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Dict, Mapping, Tuple, get_type_hints
 
+from pnmix.cache import check_room
 from pnmix.config import PnMixConfig
 from pnmix.errors import PnMixError, describe
 from pnmix.format import CacheLayout
@@ -20,9 +21,53 @@ from pnmix.format import CacheLayout
 from .tracing import META_PREFIX
 
 LLM_KIND = "llm"
-# metadata keys of an LLM file (each read back by LlmFileInfo)
-META_KEYS = ("kind", "format_version", "config", "max_seq_len", "batch", "model", "model_type", "layers",
-             "q_heads", "kv_heads", "head_dim", "vocab_size", "dtype", "tokenizer_sha256")
+FORMAT_VERSION = "1"
+
+
+@dataclass(frozen=True)
+class LlmMetadata:
+    """The ``pnmix.*`` metadata of an LLM file: export/llm.py writes ``to_props()``, read_llm_info
+    reads ``from_props()``; the keys are the field names, plus ``kind`` and ``format_version``."""
+
+    config: PnMixConfig
+    max_seq_len: int
+    batch: int
+    model: str
+    model_type: str
+    layers: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    vocab_size: int
+    dtype: str
+    tokenizer_sha256: str
+
+    @classmethod
+    def keys(cls) -> Tuple[str, ...]:
+        """Every metadata key of an LLM file (without the pnmix. prefix), in the order written."""
+        return ("kind", "format_version", *(f.name for f in fields(LlmMetadata)))
+
+    def to_props(self) -> Dict[str, str]:
+        """The metadata as the file stores it: strings (the config as sorted JSON)."""
+        props = {"kind": LLM_KIND, "format_version": FORMAT_VERSION}
+        for f in fields(LlmMetadata):
+            value = getattr(self, f.name)
+            props[f.name] = json.dumps(value.to_dict(), sort_keys=True) if isinstance(value, PnMixConfig) \
+                else str(value)
+        return props
+
+    @staticmethod
+    def values_from_props(props: Mapping[str, str]) -> Dict[str, Any]:
+        """The fields' values from a file's metadata (ValueError/TypeError: unreadable)."""
+        kinds = get_type_hints(LlmMetadata)
+        values: Dict[str, Any] = {}
+        for f in fields(LlmMetadata):
+            text = props[f.name]
+            if kinds[f.name] is PnMixConfig:
+                values[f.name] = PnMixConfig.from_mapping(json.loads(text))
+            else:
+                values[f.name] = kinds[f.name](text)
+        return values
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -33,27 +78,22 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 
 
 @dataclass(frozen=True)
-class LlmFileInfo:
+class LlmFileInfo(LlmMetadata):
+    """An LLM file's metadata and where the file is."""
+
     path: Path
-    config: PnMixConfig
-    layout: CacheLayout
-    model: str
-    model_type: str
-    layers: int
-    q_heads: int
-    vocab_size: int
-    dtype: str
-    tokenizer_sha256: str
+    layout: CacheLayout = field(init=False, repr=False, compare=False)
 
-    @property
-    def max_seq_len(self) -> int:
-        return self.layout.max_seq_len
+    def __post_init__(self) -> None:
+        # the layout's own checks (ValueError or PnMixError) run when the metadata is read
+        object.__setattr__(self, "layout", CacheLayout(self.config, self.batch, self.kv_heads, self.head_dim,
+                                                       self.max_seq_len))
 
-    def check_room(self, seq_len: int, n: int) -> None:
-        """n more tokens must fit the file's cache (every runtime of the file checks this first)."""
-        if seq_len + n > self.max_seq_len:
-            raise PnMixError(f"cache capacity exceeded: {seq_len} + {n} tokens > max_seq_len {self.max_seq_len} "
-                             f"of {self.path.name} (export with a larger --max-seq-len)")
+    def check_room(self, seq_len: int, n: int, asked: str = "") -> None:
+        """n more tokens must fit the file's cache (every runtime of the file checks this first);
+        ``asked``: what asked for them, for the error."""
+        check_room(seq_len, n, self.max_seq_len,
+                   f" of {self.path.name}{': ' + asked if asked else ''} (export with a larger --max-seq-len)")
 
 
 def is_llm_file(path: Path) -> bool:
@@ -88,15 +128,11 @@ def read_llm_info(path: Path) -> LlmFileInfo:
     if meta.get("kind") != LLM_KIND:
         raise PnMixError(f"{path} is not an LLM file exported by `pnmix export --model` (for the diagnostic "
                          "model use `pnmix verify --onnx` without --model)")
-    missing = [key for key in META_KEYS if key not in meta]
+    missing = [key for key in LlmMetadata.keys() if key not in meta]
     if missing:
         raise PnMixError(f"{path} lacks the metadata field {META_PREFIX}{missing[0]}")
     try:
-        config = PnMixConfig.from_mapping(json.loads(meta["config"]))
-        layout = CacheLayout(config, int(meta["batch"]), int(meta["kv_heads"]), int(meta["head_dim"]),
-                             int(meta["max_seq_len"]))
-        return LlmFileInfo(path, config, layout, meta["model"], meta["model_type"], int(meta["layers"]),
-                           int(meta["q_heads"]), int(meta["vocab_size"]), meta["dtype"], meta["tokenizer_sha256"])
+        return LlmFileInfo(**LlmMetadata.values_from_props(meta), path=path)
     except (ValueError, TypeError) as exc:
         raise PnMixError(f"{path} has unreadable pnmix metadata: {describe(exc)}") from None
 

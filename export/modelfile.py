@@ -26,10 +26,11 @@ from pnmix.memory import check_fits
 from pnmix.model import HEAD_DIM, KV_HEADS
 
 from . import ops
-from .tracing import META_PREFIX
+from .tracing import META_PREFIX, state_name
 
-GRAPH_INPUTS: Tuple[str, ...] = ("tokens", "seq_len", "new_len") + STATE_NAMES
-GRAPH_OUTPUTS: Tuple[str, ...] = ("attention", "output") + ops.APPEND_OUTPUTS
+# The diagnostic file's interface (export/exporter.py traces it, load_checked checks it).
+GRAPH_INPUTS: Tuple[str, ...] = ("tokens", "seq_len", "new_len", *(state_name(name) for name in STATE_NAMES))
+GRAPH_OUTPUTS: Tuple[str, ...] = ("attention", "output", *(state_name(name, present=True) for name in STATE_NAMES))
 
 
 @dataclass(frozen=True)

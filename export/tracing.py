@@ -12,7 +12,7 @@ import contextlib
 import io
 import logging
 import warnings
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from pnmix.format import CacheLayout
 
@@ -20,6 +20,15 @@ META_PREFIX = "pnmix."
 
 
 TOKENS_DIM = "n"  # the dynamic token axis of every file's first input
+
+
+def state_name(name: str, layer: Optional[int] = None, present: bool = False) -> str:
+    """A state tensor's name in a file's interface (docs/OPS.md): the diagnostic file has one layer,
+    ``<name>`` in and ``present_<name>`` out; the LLM file has ``past.<layer>.<name>`` in and
+    ``present.<layer>.<name>`` out. name is one of pnmix.format.STATE_NAMES."""
+    if layer is None:
+        return f"present_{name}" if present else name
+    return f"{'present' if present else 'past'}.{layer}.{name}"
 
 
 def trace(module, layout: CacheLayout, state: List, input_names: Sequence[str], output_names: Sequence[str],
@@ -48,6 +57,8 @@ def trace(module, layout: CacheLayout, state: List, input_names: Sequence[str], 
             module, example, dynamo=True, opset_version=opset, optimize=False, verbose=False,
             input_names=list(input_names), output_names=list(output_names), dynamic_shapes=dynamic_shapes,
             custom_translation_table=torch_ops.translation_table())
+    if program is None:  # only without dynamo=True does torch.onnx.export return nothing
+        raise RuntimeError("torch.onnx.export(dynamo=True) returned no ONNXProgram")
     _name_dim(program.model, input_names[0], 1, TOKENS_DIM)
     return program.model
 
@@ -72,8 +83,10 @@ def finish(ir_model, layout: CacheLayout, q_heads: int, opset: int, metadata: Di
     import onnx_ir as ir
 
     from . import ops
+    from .append_body import append_function
+    from .attention_body import attention_function
 
-    for proto in (ops.attention_function(layout, q_heads, opset), ops.append_function(layout, opset)):
+    for proto in (attention_function(layout, q_heads, opset), append_function(layout, opset)):
         function = ir.serde.deserialize_function(proto)
         ir_model.functions[function.identifier()] = function
     ir_model.opset_imports[ops.DOMAIN] = ops.DOMAIN_VERSION

@@ -38,6 +38,14 @@ State = Dict[str, torch.Tensor]
 KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def check_room(seq_len: int, n: int, capacity: int, where: str = "", limit: str = "max_seq_len") -> None:
+    """n more tokens after seq_len must fit a cache that holds ``capacity`` tokens: the one check
+    every cache and every runtime of a file makes before it appends. ``where`` ends the error (whose
+    cache, what to do); ``limit`` names the capacity as its owner's option does."""
+    if seq_len + n > capacity:
+        raise PnMixError(f"cache capacity exceeded: {seq_len} + {n} tokens > {limit} {capacity}{where}")
+
+
 def check_kv_tensors(k, v) -> None:
     """New keys and values: two 4-D real floating-point tensors of one shape."""
     for name, t in (("keys", k), ("values", v)):
@@ -200,11 +208,7 @@ class PackedKVCache:
         """Append fp16 K/V [B, H, n, D]; flushes full residuals; the first call sets the mask."""
         check_new_kv(self.layout, k, v)
         n = k.shape[2]
-        if self.seq_len + n > self.layout.max_seq_len:
-            raise PnMixError(
-                f"cache capacity exceeded: {self.seq_len} + {n} tokens > max_seq_len "
-                f"{self.layout.max_seq_len}"
-            )
+        check_room(self.seq_len, n, self.layout.max_seq_len)
         if n == 0:
             return
         k, v = fp16_kv(k, v, self.device, self.seq_len)  # before the state changes

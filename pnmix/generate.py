@@ -13,13 +13,13 @@ from .export.llm_file import check_tokenizer, read_llm_info
 
 
 def read_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> str:
-    if (prompt is None) == (prompt_file is None):
-        raise PnMixError("give exactly one of --prompt TEXT or --prompt-file FILE")
-    if prompt is not None:
+    if prompt is not None and prompt_file is None:
         return prompt
-    from .io import read_text
+    if prompt_file is not None and prompt is None:
+        from .io import read_text
 
-    return read_text(prompt_file, "prompt")
+        return read_text(prompt_file, "prompt")
+    raise PnMixError("give exactly one of --prompt TEXT or --prompt-file FILE")
 
 
 def generate_command(model: Path, tokenizer: str, prompt: Optional[str], prompt_file: Optional[Path],
@@ -35,9 +35,7 @@ def generate_command(model: Path, tokenizer: str, prompt: Optional[str], prompt_
     tok = load_tokenizer(resolve_model(tokenizer))
     check_tokenizer(info, tok, tokenizer)
     ids = tok(text, add_special_tokens=False)["input_ids"]
-    if len(ids) > info.max_seq_len:
-        raise PnMixError(f"the prompt has {len(ids)} tokens, more than the capacity of {model.name} "
-                         f"({info.max_seq_len} tokens; export with a larger --max-seq-len)")
+    info.check_room(0, len(ids), "the prompt")
     max_new_tokens = min(max_new_tokens, info.max_seq_len - len(ids) + 1)
     session = LlmSession(model, threads, info)
     result = greedy(session, ids, max_new_tokens, tok.eos_token_id)

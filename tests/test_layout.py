@@ -22,7 +22,7 @@ CORE = ("config", "errors", "format", "packing", "dump", "quant", "reference", "
         "memory", "machine", "defaults", "dataset", "testing", "_native")
 LAYERS = {
     "pnmix": 0, **{f"pnmix.{name}": 0 for name in CORE},
-    "pnmix.export": 1, "pnmix.export.llm": 3, "pnmix.codegen": 1,
+    "pnmix.export": 1, "pnmix.codegen": 1,
     "pnmix.backends": 2,
     "pnmix.protocol": 3, "pnmix.verify": 3, "pnmix.doctor": 3, "pnmix.bench": 3, "pnmix.generate": 3, "pnmix.hf": 3,
     "pnmix.hf.models": 0, "pnmix.hf._deps": 0,  # where a model comes from: no cache, no backend

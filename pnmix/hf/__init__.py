@@ -4,12 +4,13 @@
   ``model.generate(..., past_key_values=PnMixCache())`` (or ``cache=``) or to forward calls.
 * the ``pnmix`` attention implementation (registered on import): reads the packed cache through
   the backend kernels instead of a dequantized copy.
-* ``pnmix eval`` (pnmix.hf.evaluate): KV-cache methods (pn-mix, KIVI, uniform, quanto) on a real model,
+* ``pnmix eval`` (pnmix.hf.evaluate.command): KV-cache methods (pn-mix, KIVI, uniform, quanto) on a real model,
   scored against full precision: KL, perplexity, top-1, passkey retrieval (docs/EVAL.md).
 """
 
 from .attention import ATTENTION_NAME, pnmix_attention_forward, register
-from .cache import PnMixCache, PnMixLayer, pair_layout_for
+from .cache import PnMixCache, PnMixLayer
+from .models import pair_layout_for
 
 register()
 

@@ -21,7 +21,8 @@ import torch
 
 from ..errors import PnMixError
 from ._deps import require_transformers
-from .cache import pair_layout_for, take_step
+from .cache import take_step
+from .models import pair_layout_for
 
 ATTENTION_NAME = "pnmix"
 
@@ -46,8 +47,8 @@ def pnmix_attention_forward(module, query, key, value, attention_mask, scaling=N
     # The kernels scale by 1/sqrt(D); a model with another scale gets it folded into the queries.
     if scaling is not None and not math.isclose(scaling * math.sqrt(head_dim), 1.0, rel_tol=1e-6):
         query = query * (scaling * math.sqrt(head_dim))
-    packed = layer.packed
-    out = layer.ops.attend(query.to(torch.float16).contiguous(), packed.layout, packed.state,
+    packed = layer.packed_cache()
+    out = packed.ops.attend(query.to(torch.float16).contiguous(), packed.layout, packed.state,
                            step.seq_before, step.k_new, step.v_new)
     layer.commit()
     return out.to(query.dtype).transpose(1, 2).contiguous(), None

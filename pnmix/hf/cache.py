@@ -23,46 +23,20 @@ import dataclasses
 import math
 import threading
 import weakref
-from typing import Any, Optional
+from typing import Any, List, Optional, cast
 
 import torch
 
-from ..cache import PackedKVCache, check_kv_tensors, check_new_kv, fp16_kv
+from ..cache import CacheOps, PackedKVCache, check_kv_tensors, check_new_kv, check_room, fp16_kv
 from ..config import PnMixConfig
 from ..errors import PnMixError
 from ._deps import require_transformers
+from .models import resolve_config
 
 require_transformers()
 from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: E402
 
-# Every Hugging Face Llama-family model rotates with rotate_half: channel i pairs with i + D/2.
-HF_PAIR_LAYOUT = "half"
-# Model families whose HF code rotates interleaved pairs (2i, 2i+1) instead.
-INTERLEAVED_MODEL_TYPES = frozenset({"gptj", "codegen"})
 GROWTH_HEADROOM = 256
-
-
-def pair_layout_for(model_config: Any = None) -> str:
-    """The pair layout of a transformers model's RoPE (``half`` unless the family is interleaved)."""
-    model_type = getattr(model_config, "model_type", None)
-    return "adjacent" if model_type in INTERLEAVED_MODEL_TYPES else HF_PAIR_LAYOUT
-
-
-def resolve_config(config: Optional[PnMixConfig], overrides: dict, model_config: Any = None) -> PnMixConfig:
-    """The cache's config: the model's pair layout by default; a contradicting layout is an error."""
-    want = pair_layout_for(model_config)
-    if config is not None and not isinstance(config, PnMixConfig):
-        raise PnMixError(f"config must be a PnMixConfig, got {type(config).__name__}")
-    base = config if config is not None else PnMixConfig(pair_layout=want)
-    resolved = base.replace(**overrides) if overrides else base
-    if resolved.pair_layout != want:
-        family = getattr(model_config, "model_type", None) or "Hugging Face Llama-family"
-        rotation = "interleaved pairs (2i, 2i+1)" if want == "adjacent" else "rotate_half, pairs (i, i + D/2)"
-        raise PnMixError(
-            f"pair_layout '{resolved.pair_layout}' contradicts the model: {family} models rotate with "
-            f"{rotation}; use pair_layout='{want}'"
-        )
-    return resolved
 
 
 def choose_ops(device: torch.device, backend: Optional[str] = None):
@@ -111,7 +85,7 @@ class PnMixLayer(CacheLayerMixin):
         self.max_cache_len = max_cache_len
         self.backend = backend
         self.packed: Optional[PackedKVCache] = None
-        self.ops = None
+        self.ops: Optional[CacheOps] = None
         self.pending: Optional[Step] = None
         self.packed_attention = False  # set by the pnmix attention function
         self.peak_copy_bytes = 0  # largest dequantized K/V copy handed to the model's attention
@@ -148,20 +122,21 @@ class PnMixLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         n = key_states.shape[2]
         self._reserve(n)
+        packed = self.packed_cache()
         k16, v16 = k16.contiguous(), v16.contiguous()
         if seq_before == 0:
             # Prefill: full-precision attention over the prompt; the append sets the pair mask.
             keys, values = key_states, value_states
-            self.packed.append(k16, v16)
+            packed.append(k16, v16)
             pending = False
         elif self.packed_attention:
             keys, values = key_states, value_states
             pending = True
         else:
-            k_cache, v_cache = self.packed.dequantized()
+            k_cache, v_cache = packed.dequantized()
             keys = torch.cat([k_cache.to(key_states.dtype), key_states], dim=2)
             values = torch.cat([v_cache.to(value_states.dtype), value_states], dim=2)
-            self.packed.append(k16, v16)  # after the copy: this step sees its own tokens in fp16
+            packed.append(k16, v16)  # after the copy: this step sees its own tokens in fp16
             copy = sum(t.numel() * t.element_size() for t in (keys, values))
             self.peak_copy_bytes = max(self.peak_copy_bytes, copy)
             pending = False
@@ -174,7 +149,13 @@ class PnMixLayer(CacheLayerMixin):
         """Append the step the packed attention has just read (attention first, then append)."""
         step, self.pending = self.pending, None
         if step is not None:
-            self.packed.append(step.k_new, step.v_new)
+            self.packed_cache().append(step.k_new, step.v_new)
+
+    def packed_cache(self) -> PackedKVCache:
+        """The layer's packed cache, made by its first update."""
+        if self.packed is None:
+            raise PnMixError(f"layer {self.layer_idx} of the PnMixCache holds no tokens yet (no update so far)")
+        return self.packed
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -237,12 +218,12 @@ class PnMixLayer(CacheLayerMixin):
 
     def _reserve(self, n: int) -> None:
         """Make room for n more tokens: grow (double) the group slots, or refuse past max_cache_len."""
-        packed = self.packed
+        packed = self.packed_cache()
         need = packed.seq_len + n
         if need <= packed.layout.max_seq_len:
             return
         if self.max_cache_len is not None:
-            raise PnMixError(f"PnMixCache is full: {packed.seq_len} + {n} tokens > max_cache_len {self.max_cache_len}")
+            check_room(packed.seq_len, n, self.max_cache_len, " of PnMixCache", limit="max_cache_len")
         capacity = self._rounded(max(need, 2 * packed.layout.max_seq_len))
         self.packed = packed.resized(capacity)
 
@@ -301,45 +282,51 @@ class PnMixCache(Cache):
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx <= made:
             raise PnMixError(f"layer_idx must be an integer 0..{made} (layers are made in order from 0), "
                              f"got {layer_idx!r}")
-        layer = self.layers[layer_idx] if layer_idx < made else PnMixLayer(
+        layer = self.pnmix_layers[layer_idx] if layer_idx < made else PnMixLayer(
             self.config, layer_idx, self.max_cache_len, self.backend)
         out = layer.update(key_states, value_states, *args, **kwargs)
         if layer_idx == made:
             self.layers.append(layer)
         return out
 
+    @property
+    def pnmix_layers(self) -> List[PnMixLayer]:
+        """self.layers as what they are: update() appends PnMixLayers only (transformers types the
+        list with every layer kind it has)."""
+        return cast(List[PnMixLayer], self.layers)
+
     def mark_packed_attention(self) -> None:
         """Decode every layer under the pnmix attention from now on. A prefill forward call under
         that attention says so itself; a cache whose prefill K/V came through update() outside a
         forward call (pnmix eval hands one prefill to many caches) says so here."""
-        for layer in self.layers:
+        for layer in self.pnmix_layers:
             layer.packed_attention = True
 
     def persistent_bytes(self) -> int:
         """Bytes the cache holds: the used part of every layer's packed state (docs/METHOD.md section 3.5)."""
-        return sum(layer.persistent_bytes() for layer in self.layers)
+        return sum(layer.persistent_bytes() for layer in self.pnmix_layers)
 
     def bytes_by_part(self) -> dict:
         """key_bytes, value_bytes and persistent_cache_bytes summed over layers."""
         total = {"key_bytes": 0, "value_bytes": 0, "persistent_cache_bytes": 0}
-        for layer in self.layers:
+        for layer in self.pnmix_layers:
             for name, value in layer.bytes_by_part().items():
                 total[name] += value
         return total
 
     def allocated_bytes(self) -> int:
         """Bytes of the state tensors as allocated (capacity, spare group slots included)."""
-        return sum(layer.allocated_bytes() for layer in self.layers)
+        return sum(layer.allocated_bytes() for layer in self.pnmix_layers)
 
     def peak_copy_bytes(self) -> int:
         """The largest dequantized K/V copy one layer handed to the model's attention (0 on the
         packed path): the scratch the dequantized path costs, on top of persistent_bytes()."""
-        return max((layer.peak_copy_bytes for layer in self.layers), default=0)
+        return max((layer.peak_copy_bytes for layer in self.pnmix_layers), default=0)
 
     @property
     def ops_name(self) -> Optional[str]:
         """The backend whose kernels serve the layers (known once a layer is initialized)."""
-        for layer in self.layers:
+        for layer in self.pnmix_layers:
             if layer.ops is not None:
                 return layer.ops.name
         return None

@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
+from ..config import PnMixConfig
 from ..errors import PnMixError, describe
 from ..io import check_input_file
 from ._deps import require_transformers
@@ -26,6 +27,11 @@ from ._deps import require_transformers
 # The Llama family: RMSNorm, rotate_half RoPE, grouped-query attention, gated MLP. The exporter,
 # the evaluation and PnMixCache's pair layout all assume this block structure.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+# Every Hugging Face Llama-family model rotates with rotate_half: channel i pairs with i + D/2.
+HF_PAIR_LAYOUT = "half"
+# Model families whose HF code rotates interleaved pairs (2i, 2i+1) instead.
+INTERLEAVED_MODEL_TYPES = frozenset({"gptj", "codegen"})
 
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
@@ -189,5 +195,52 @@ def load_causal_lm(source: ModelSource, dtype: str = "fp32", model_config: Any =
 
 
 def max_positions(model_config: Any) -> int:
-    """How many positions the model was trained for (its longest context)."""
+    """How many positions the model was trained for (its longest context; 0: not stated)."""
     return int(getattr(model_config, "max_position_embeddings", 0) or 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDims:
+    """The attention shapes of a transformers config, read in this one place."""
+
+    layers: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    max_positions: int  # 0: the config does not say
+
+    @classmethod
+    def from_config(cls, model_config: Any) -> "ModelDims":
+        q_heads = int(model_config.num_attention_heads)
+        # Configs that predate head_dim (and GGUF-derived ones) split the hidden size evenly.
+        head_dim = getattr(model_config, "head_dim", None) or int(model_config.hidden_size) // q_heads
+        return cls(layers=int(model_config.num_hidden_layers), q_heads=q_heads,
+                   kv_heads=int(getattr(model_config, "num_key_value_heads", None) or q_heads),
+                   head_dim=int(head_dim), max_positions=max_positions(model_config))
+
+    def kv_bytes(self, tokens: int, bytes_per_element: int, batch: int = 1) -> int:
+        """Bytes of a dense K/V cache of ``tokens`` tokens over every layer (K and V, unpacked)."""
+        return 2 * batch * self.layers * self.kv_heads * self.head_dim * tokens * bytes_per_element
+
+
+def pair_layout_for(model_config: Any = None) -> str:
+    """The pair layout of a transformers model's RoPE (``half`` unless the family is interleaved)."""
+    model_type = getattr(model_config, "model_type", None)
+    return "adjacent" if model_type in INTERLEAVED_MODEL_TYPES else HF_PAIR_LAYOUT
+
+
+def resolve_config(config: Optional[PnMixConfig], overrides: dict, model_config: Any = None) -> PnMixConfig:
+    """The cache's config: the model's pair layout by default; a contradicting layout is an error."""
+    want = pair_layout_for(model_config)
+    if config is not None and not isinstance(config, PnMixConfig):
+        raise PnMixError(f"config must be a PnMixConfig, got {type(config).__name__}")
+    base = config if config is not None else PnMixConfig(pair_layout=want)
+    resolved = base.replace(**overrides) if overrides else base
+    if resolved.pair_layout != want:
+        family = getattr(model_config, "model_type", None) or "Hugging Face Llama-family"
+        rotation = "interleaved pairs (2i, 2i+1)" if want == "adjacent" else "rotate_half, pairs (i, i + D/2)"
+        raise PnMixError(
+            f"pair_layout '{resolved.pair_layout}' contradicts the model: {family} models rotate with "
+            f"{rotation}; use pair_layout='{want}'"
+        )
+    return resolved

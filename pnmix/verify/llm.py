@@ -39,12 +39,14 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from pnmix import defaults
 from pnmix.errors import PnMixError
 from pnmix.format import STATE_DTYPES, STATE_NAMES
 from pnmix.io import JsonReport
 
 from pnmix.backends.onnxruntime.llm_session import LlmSession
 from pnmix.export.llm_file import check_tokenizer, read_llm_info
+from pnmix.export.tracing import state_name
 
 LOGITS_TOLERANCE = {"fp32": 1e-3, "fp16": 5e-2}
 DECODE_LOGITS_TOLERANCE = {"fp32": 2e-2, "fp16": 1e-1}
@@ -79,8 +81,8 @@ class KvProbe:
 
     def __init__(self, path: Path, layers: int):
         import onnx
-        import onnxruntime as ort
 
+        from pnmix.backends.onnxruntime.session import open_session, session_options
         from pnmix.export import ops
 
         proto = onnx.load(str(path), load_external_data=False)
@@ -91,11 +93,10 @@ class KvProbe:
         for k, v in self.names:
             for name in (k, v):
                 proto.graph.output.append(onnx.helper.make_empty_tensor_value_info(name))
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
+        options = session_options()
         options.add_session_config_entry("session.model_external_initializers_file_folder_path",
                                          str(Path(path).resolve().parent))
-        self.session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        self.session = open_session(proto.SerializeToString(), options)
         self.output_names = [o.name for o in self.session.get_outputs()]
 
 
@@ -111,8 +112,10 @@ def _torch_side(model_source, info, dtype: str):
     return model
 
 
-def verify_llm(onnx_path: Path, model: str, text: Optional[Path] = None, prompt_tokens: int = 32,
-               decode_tokens: int = 8, threads: Optional[int] = None, session=None) -> Dict[str, Any]:
+def verify_llm(onnx_path: Path, model: str, text: Optional[Path] = None,
+               prompt_tokens: int = defaults.VERIFY_LLM_PROMPT_TOKENS,
+               decode_tokens: int = defaults.VERIFY_LLM_DECODE_TOKENS, threads: Optional[int] = None,
+               session=None) -> Dict[str, Any]:
     """The file in ONNX Runtime against PyTorch, or ``session``: another runtime of the same file
     with LlmSession's interface (``info``, ``step``, ``state``, ``seq_len``, ``layer_state``,
     ``backend``, ``runtime_name``), such as a TensorRT engine built from it
@@ -124,9 +127,7 @@ def verify_llm(onnx_path: Path, model: str, text: Optional[Path] = None, prompt_
     info = session.info if session is not None else read_llm_info(onnx_path)
     if prompt_tokens < 1 or decode_tokens < 0:
         raise PnMixError(f"--prompt-tokens must be >= 1 and --decode-tokens >= 0, got {prompt_tokens}, {decode_tokens}")
-    if prompt_tokens + decode_tokens > info.max_seq_len:
-        raise PnMixError(f"--prompt-tokens {prompt_tokens} + --decode-tokens {decode_tokens} exceed the capacity "
-                         f"of {onnx_path.name} ({info.max_seq_len} tokens)")
+    info.check_room(prompt_tokens, decode_tokens, "--prompt-tokens + --decode-tokens")
     source = resolve_model(model)
     tokenizer = load_tokenizer(source)
     check_tokenizer(info, tokenizer, model)
@@ -185,7 +186,7 @@ def _compare_step(layout, session: LlmSession, cache, kv, past, seq_before: int,
         layers_identical.append(used_bytes(layout, ort_state, seq_after) == used_bytes(layout, torch_state, seq_after))
         expected = ort_state
         if kv is not None:  # the graph's append against the reference append of the graph's own K/V
-            expected = _as_reference({name: past[f"past.{layer}.{name}"] for name in STATE_NAMES})
+            expected = _as_reference({name: past[state_name(name, layer)] for name in STATE_NAMES})
             k, v = (torch.from_numpy(np.ascontiguousarray(a)) for a in kv[layer])
             append_reference(layout, expected, seq_before, k, v)
             graph_exact.append(used_bytes(layout, expected, seq_after) == used_bytes(layout, ort_state, seq_after))
@@ -254,6 +255,8 @@ def verify_llm_command(onnx_path: Optional[Path], model: str, text: Optional[Pat
 
         session = EngineLlmSession(engine, plugins)
         onnx_path = session.info.path
+    if onnx_path is None:
+        raise PnMixError("give the LLM file (--onnx FILE) or its engine (--engine PLAN)")
     report = verify_llm(Path(onnx_path), model, text, prompt_tokens, decode_tokens, session=session)
     return print_and_write(report, report_file)
 

@@ -15,29 +15,17 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 import torch
 
+from pnmix.cache import check_room
 from pnmix.config import PnMixConfig
 from pnmix.errors import PnMixError, one_line
 from pnmix.format import STATE_DTYPES, STATE_NAMES, CacheLayout, checked_state
 from pnmix.memory import check_fits
 from pnmix.model import VOCAB
 from pnmix.export.torch_ops import graph_state_numpy_dtype
+from pnmix.export.tracing import state_name
 from pnmix.backends.base import Backend
 
-
-# ONNX Runtime's log severity: errors only (3). Its warnings are ANSI-coloured lines on stderr that
-# would break the CLI's one-line errors; the errors themselves come back as exceptions, which pnmix
-# turns into one PnMixError line.
-ORT_LOG_SEVERITY = 3
-
-
-def import_onnxruntime():
-    """onnxruntime, its default logger quieted (sessions made anywhere, and their runs, log through it)."""
-    try:
-        import onnxruntime as ort
-    except ImportError:
-        raise PnMixError("onnxruntime is not installed: pip install onnxruntime") from None
-    ort.set_default_logger_severity(ORT_LOG_SEVERITY)
-    return ort
+from .session import import_onnxruntime, open_session, run_options, session_options
 
 
 def session_bytes(layout: CacheLayout) -> int:
@@ -52,21 +40,15 @@ def make_session(path, seed: Optional[int] = None, file_seed: Optional[int] = No
     ort = import_onnxruntime()
     from pnmix.export.exporter import seed_weights
 
-    options = ort.SessionOptions()
-    options.log_severity_level = ORT_LOG_SEVERITY
-    if threads:
-        options.intra_op_num_threads = threads
+    options = session_options(threads)
     keep = []
     if seed is not None and seed != file_seed:
         for name, array in seed_weights(seed).items():
             value = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array))
             keep.append(value)  # ONNX Runtime borrows the buffer: it must outlive the session
             options.add_initializer(name, value)
-    try:
-        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    except Exception as exc:  # ONNX Runtime raises its own exception types
-        raise PnMixError(f"ONNX Runtime cannot load {path}: {one_line(exc)}") from None
-    session._pnmix_keep = keep  # type: ignore[attr-defined]
+    session = open_session(path, options)
+    session._pnmix_keep = keep  # the initializers' buffers live as long as the session
     return session
 
 
@@ -87,9 +69,7 @@ class OnnxBackend(Backend):
         if differ:
             raise PnMixError(f"{info.path} was exported for another config ({'; '.join(differ)}); "
                              "export it with the same --config")
-        if info.max_seq_len < max_seq_len:
-            raise PnMixError(f"cache capacity exceeded: {info.path} holds {info.max_seq_len} tokens "
-                             f"(export --max-seq-len), the protocol needs {max_seq_len}")
+        check_room(0, max_seq_len, info.max_seq_len, f" of {info.path} (export --max-seq-len): the protocol's tokens")
         if info.batch != 1:
             raise PnMixError(f"{info.path} has batch {info.batch}; the protocol runs batch 1 (export --batch 1)")
         self.info = info
@@ -98,8 +78,7 @@ class OnnxBackend(Backend):
         check_fits(session_bytes(self.layout), f"{info.path}'s cache ({self.layout.describe()}) in ONNX Runtime",
                    "export the model with a smaller --max-seq-len or --batch")
         self.session = make_session(info.path, seed, info.seed, threads)
-        self._run_options = import_onnxruntime().RunOptions()
-        self._run_options.log_severity_level = ORT_LOG_SEVERITY
+        self._run_options = run_options()
         self._output_names = [o.name for o in self.session.get_outputs()]
         self._state = {name: np.zeros(shape, dtype=graph_state_numpy_dtype(name))
                        for name, shape in self.layout.state_shapes().items()}
@@ -110,13 +89,13 @@ class OnnxBackend(Backend):
         n = self._check_tokens(tokens)
         if seq_len != self.seq_len:
             raise PnMixError(f"step at seq_len {seq_len}, but the cache holds {self.seq_len} tokens")
-        if write and seq_len + n > self.layout.max_seq_len:
-            raise PnMixError(f"cache capacity exceeded: {seq_len} + {n} tokens > max_seq_len {self.layout.max_seq_len}")
+        if write:
+            check_room(seq_len, n, self.layout.max_seq_len)
         if not write and n > seq_len:
             raise PnMixError(f"evaluation of {n} tokens, but the cache holds only {seq_len}")
         outputs = self.run(tokens, seq_len, n if write else 0, self._state)
         if write:
-            self._state = {name: outputs[f"present_{name}"] for name in STATE_NAMES}
+            self._state = {name: outputs[state_name(name, present=True)] for name in STATE_NAMES}
             self.seq_len = seq_len + n
             if seq_len == 0:
                 self.saliency_computations += 1  # the graph computes the mask on the first append
@@ -138,7 +117,7 @@ class OnnxBackend(Backend):
         arrays = {name: np.asarray(state[name]) for name in STATE_NAMES if state.get(name) is not None}
         self.layout.check_state_shapes(arrays)
         for name in STATE_NAMES:
-            feeds[name] = np.ascontiguousarray(arrays[name]).view(graph_state_numpy_dtype(name))
+            feeds[state_name(name)] = np.ascontiguousarray(arrays[name]).view(graph_state_numpy_dtype(name))
         try:
             values = self.session.run(None, feeds, self._run_options)
         except Exception as exc:  # ONNX Runtime's own exception types (a failed allocation, a bad kernel)

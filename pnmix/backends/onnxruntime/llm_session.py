@@ -16,20 +16,14 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from pnmix.errors import PnMixError, one_line
+from pnmix.errors import PnMixError
 from pnmix.format import STATE_NAMES
 
-from pnmix.export.llama import state_input_name, state_output_name
 from pnmix.export.torch_ops import graph_state_numpy_dtype
-from pnmix.export.llm_file import LlmFileInfo, check_tokenizer, read_llm_info
+from pnmix.export.llm_file import LlmFileInfo, read_llm_info
+from pnmix.export.tracing import state_name
 
-
-def providers() -> List[str]:
-    import onnxruntime as ort
-
-    have = ort.get_available_providers()
-    return ["CUDAExecutionProvider", "CPUExecutionProvider"] if "CUDAExecutionProvider" in have \
-        else ["CPUExecutionProvider"]
+from .session import cuda_or_cpu, open_session, session_options
 
 
 class LlmSession:
@@ -39,19 +33,8 @@ class LlmSession:
     runtime_name = "ONNX Runtime"
 
     def __init__(self, path: Path, threads: Optional[int] = None, info: Optional[LlmFileInfo] = None):
-        try:
-            import onnxruntime as ort
-        except ImportError:
-            raise PnMixError("onnxruntime is not installed: pip install onnxruntime") from None
         self.info = info or read_llm_info(path)
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        if threads:
-            options.intra_op_num_threads = threads
-        try:
-            self.session = ort.InferenceSession(str(path), options, providers=providers())
-        except Exception as exc:  # ONNX Runtime raises its own exception types
-            raise PnMixError(f"ONNX Runtime cannot load {path}: {one_line(exc)}") from None
+        self.session = open_session(path, session_options(threads), cuda_or_cpu())
         self.provider = self.session.get_providers()[0]
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.reset()
@@ -59,7 +42,7 @@ class LlmSession:
     def reset(self) -> None:
         shapes = self.info.layout.state_shapes()
         self.state: Dict[str, np.ndarray] = {
-            state_input_name(i, name): np.zeros(shapes[name], dtype=graph_state_numpy_dtype(name))
+            state_name(name, i): np.zeros(shapes[name], dtype=graph_state_numpy_dtype(name))
             for i in range(self.info.layers) for name in STATE_NAMES}
         self.seq_len = 0
 
@@ -72,12 +55,12 @@ class LlmSession:
         values = dict(zip(self.output_names, self.session.run(None, feeds)))
         for i in range(self.info.layers):
             for name in STATE_NAMES:
-                self.state[state_input_name(i, name)] = values[state_output_name(i, name)]
+                self.state[state_name(name, i)] = values[state_name(name, i, present=True)]
         self.seq_len += n
         return values["logits"][0, -1]
 
     def layer_state(self, layer: int) -> Dict[str, np.ndarray]:
-        return {name: self.state[state_input_name(layer, name)] for name in STATE_NAMES}
+        return {name: self.state[state_name(name, layer)] for name in STATE_NAMES}
 
     def cache_bytes(self) -> Dict[str, int]:
         """Used bytes of the packed state over all layers (docs/METHOD.md section 3.5), and as allocated."""
@@ -108,10 +91,9 @@ def greedy(session: LlmSession, prompt_ids: List[int], max_new_tokens: int, eos:
     """Greedy decoding: one prefill call, then one call per token (stops at eos)."""
     if not prompt_ids:
         raise PnMixError("the prompt has no tokens")
-    if len(prompt_ids) + max_new_tokens > session.info.max_seq_len + 1:
-        raise PnMixError(f"the prompt ({len(prompt_ids)} tokens) and --max-new-tokens {max_new_tokens} exceed "
-                         f"the capacity of {session.info.path.name} ({session.info.max_seq_len} tokens; "
-                         "export with a larger --max-seq-len)")
+    # the last new token is returned, never appended: the cache holds the prompt and the others
+    session.info.check_room(len(prompt_ids), max_new_tokens - 1,
+                            f"the prompt and --max-new-tokens {max_new_tokens}")
     result = Generation(list(prompt_ids))
     began = time.perf_counter()
     logits = session.step(list(prompt_ids))

@@ -18,8 +18,10 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from .engine import DECODE_PROFILE, PREFILL_PROFILE, check_plugin_path, import_tensorrt, load_plugins, read_sidecar, require_gpu
+from ...cache import check_room
 from ...config import PnMixConfig
 from ...errors import PnMixError
+from ...export.tracing import state_name
 from ...format import STATE_NAMES, CacheLayout
 from ...model import HEAD_DIM, KV_HEADS
 from ..base import Backend, State
@@ -89,8 +91,7 @@ class TrtBackend(Backend):
         self.capacity = int(described["capacity"])
         self.batch = int(described["batch"])
         self.max_prefill = int(described["profiles"]["max_prefill"])
-        if max_seq_len > self.capacity:
-            raise PnMixError(f"the protocol needs {max_seq_len} tokens, the engine's cache holds {self.capacity}")
+        check_room(0, max_seq_len, self.capacity, " of the engine: the protocol's tokens", limit="capacity")
         plugins = check_plugin_path(plugins)
         trt = import_tensorrt()
         require_gpu()
@@ -141,8 +142,7 @@ class TrtBackend(Backend):
         if batch != self.batch:
             raise PnMixError(f"the engine was built for batch {self.batch}, got tokens of batch {batch}")
         new_len = n if write else 0
-        if self.seq_len + new_len > self.capacity:
-            raise PnMixError(f"cache capacity exceeded: {self.seq_len} + {new_len} tokens > {self.capacity}")
+        check_room(self.seq_len, new_len, self.capacity, limit="capacity")
         profile = DECODE_PROFILE if n == 1 else PREFILL_PROFILE
         if n > self.max_prefill:
             raise PnMixError(f"{n} tokens in one call, the engine's prefill profile takes at most {self.max_prefill}")
@@ -157,8 +157,7 @@ class TrtBackend(Backend):
         output_shape = tuple(self.engine.get_tensor_shape("output"))
         buffers["output"] = torch.empty(batch, n, output_shape[-1], dtype=torch.float32, device=self.torch_device)
         for name in STATE_NAMES:  # in place: present_<name> is <name>'s own buffer
-            buffers[name] = self.cache[name]
-            buffers[f"present_{name}"] = self.cache[name]
+            buffers[state_name(name)] = buffers[state_name(name, present=True)] = self.cache[name]
         run_bound(context, self.stream, self.torch_device, buffers, "tokens", "a pnmix export")
         if write:
             if self.seq_len == 0 and new_len > 0:

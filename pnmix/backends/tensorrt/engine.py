@@ -210,8 +210,9 @@ def profile_shapes(capacity: int, batch: int, max_prefill: Optional[int]) -> Lis
         raise PnMixError(f"--max-seq-len must be a positive integer, got {largest!r}")
     if largest > capacity:
         raise PnMixError(f"--max-seq-len {largest} exceeds the model's cache capacity {capacity} (its export's --max-seq-len)")
-    decode = {"tokens": ((batch, 1), (batch, 1), (batch, 1))}
-    prefill = {"tokens": ((batch, 1), (batch, max(1, largest // 2)), (batch, largest))}
+    decode: Dict[str, Tuple[Tuple[int, ...], ...]] = {"tokens": ((batch, 1), (batch, 1), (batch, 1))}
+    prefill: Dict[str, Tuple[Tuple[int, ...], ...]] = {
+        "tokens": ((batch, 1), (batch, max(1, largest // 2)), (batch, largest))}
     return [decode, prefill]
 
 
@@ -316,8 +317,10 @@ def build_llm_engine(model: Path, plugins: Path, output: Path, precision: str,
 
 
 def llm_sidecar(info, model: Path, plugins: Path, version: str, precision: str, shapes) -> Dict[str, Any]:
+    from ...export.llm_file import LLM_KIND
+
     return {
-        "format": SIDECAR_FORMAT, "kind": "llm", "tensorrt_version": version,
+        "format": SIDECAR_FORMAT, "kind": LLM_KIND, "tensorrt_version": version,
         "onnx": str(Path(model).resolve()), "plugins": str(Path(plugins).resolve()),
         "config": info.config.to_dict(), "capacity": info.max_seq_len, "batch": 1, "seed": 0,
         "model": info.model, "layers": info.layers, "vocab_size": info.vocab_size,
@@ -355,9 +358,10 @@ def read_sidecar(plan: Path) -> Dict[str, Any]:
 def _check_sidecar(data: Dict[str, Any]) -> None:
     from ...config import CONFIG_FIELDS, PnMixConfig
     from ...format import CacheLayout
+    from ...export.llm_file import LLM_KIND
     from ...model import HEAD_DIM, KV_HEADS, SEED_RANGE
 
-    llm = data.get("kind") == "llm"
+    llm = data.get("kind") == LLM_KIND
     known = {"format", *SIDECAR_REQUIRED, *SIDECAR_NOTES, *(SIDECAR_LLM_FIELDS if llm else ())}
     unknown = sorted(set(data) - known)
     if unknown:

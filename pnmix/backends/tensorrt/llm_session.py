@@ -24,8 +24,9 @@ import torch
 
 from ...config import PnMixConfig
 from ...errors import PnMixError
-from ...export.llama import state_input_name, state_output_name
+from ...export.llm_file import LLM_KIND
 from ...export.torch_ops import empty_graph_state
+from ...export.tracing import state_name
 from ...format import STATE_NAMES
 from .backend import deserialize, execution_context, length_tensor, run_bound
 from .engine import DECODE_PROFILE, PREFILL_PROFILE, check_plugin_path, import_tensorrt, read_sidecar, require_gpu
@@ -42,7 +43,7 @@ class EngineLlmSession:
         if not plan.is_file():
             raise PnMixError(f"TensorRT engine not found: {plan}")
         described = read_sidecar(plan)
-        if described.get("kind") != "llm":
+        if described.get("kind") != LLM_KIND:
             raise PnMixError(f"{plan} is the diagnostic model's engine: verify it without --model")
         onnx_path = Path(described["onnx"])
         if not onnx_path.is_file():
@@ -70,7 +71,7 @@ class EngineLlmSession:
     @property
     def state(self) -> Dict[str, np.ndarray]:
         """A host copy of every layer's state, named as the file's inputs."""
-        return {state_input_name(layer, name): array for layer in range(self.info.layers)
+        return {state_name(name, layer): array for layer in range(self.info.layers)
                 for name, array in self.layer_state(layer).items()}
 
     def layer_state(self, layer: int) -> Dict[str, np.ndarray]:
@@ -91,7 +92,7 @@ class EngineLlmSession:
         }
         for layer, tensors in enumerate(self.layers):  # in place: present is past's own buffer
             for name, tensor in tensors.items():
-                bound[state_input_name(layer, name)] = bound[state_output_name(layer, name)] = tensor
+                bound[state_name(name, layer)] = bound[state_name(name, layer, present=True)] = tensor
         run_bound(context, self.stream, self.device, bound, "input_ids", "`pnmix export --model`")
         self.seq_len += n
         return bound["logits"][0, -1].cpu().numpy()

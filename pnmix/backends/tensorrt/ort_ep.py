@@ -17,12 +17,12 @@ import argparse
 import copy
 import sys
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import onnx
 from onnx import helper
 
-from ...errors import PnMixError, one_line
+from ...errors import PnMixError
 from ...export import ops
 
 TRT_DOMAIN = "trt.plugins"
@@ -67,21 +67,17 @@ def trt_provider_options(plugin_lib: Path, fp16: bool = False, cache_dir: Option
 
 def trt_session(model_path: Path, plugin_lib: Path, fp16: bool = False, cache_dir: Optional[Path] = None):
     """An ONNX Runtime session on the TensorRT EP with the pn-mix plugins (CUDA, CPU fallback)."""
-    from pnmix.backends.onnxruntime.backend import import_onnxruntime
+    from pnmix.backends.onnxruntime.session import Provider, import_onnxruntime, open_session
 
     ort = import_onnxruntime()
-
     if TRT_PROVIDER not in ort.get_available_providers():
         raise PnMixError("this ONNX Runtime has no TensorRT execution provider: install onnxruntime-gpu "
                          "built with TensorRT, and TensorRT itself")
     if not Path(plugin_lib).is_file():
         raise PnMixError(f"TensorRT plugin library not found: {plugin_lib} (build it from plugins/ with CMake)")
-    providers = [(TRT_PROVIDER, trt_provider_options(plugin_lib, fp16, cache_dir)),
-                 "CUDAExecutionProvider", "CPUExecutionProvider"]
-    try:
-        return ort.InferenceSession(str(model_path), providers=providers)
-    except Exception as exc:  # ONNX Runtime's own exception types
-        raise PnMixError(f"ONNX Runtime (TensorRT EP) cannot load {model_path}: {one_line(exc)}") from None
+    providers: List[Provider] = [(TRT_PROVIDER, trt_provider_options(plugin_lib, fp16, cache_dir)),
+                                 "CUDAExecutionProvider", "CPUExecutionProvider"]
+    return open_session(model_path, providers=providers, runtime="ONNX Runtime (TensorRT EP)")
 
 
 def main(argv=None) -> int:
