@@ -15,12 +15,17 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from .config import PnMixConfig, RunConfig
 from .errors import describe
+
+if TYPE_CHECKING:  # the modules are imported lazily (see the module doc)
+    from .backends.base import Backend
+    from .cache import CacheOps
+    from .protocol import RunResult
 
 # A small run with every part of the cache in use: 4 sink tokens, groups of 16, residual 32.
 CHECK_RUN = RunConfig(
@@ -45,7 +50,7 @@ class Component:
 # The self-check: a short protocol through a backend vs through the reference
 # ---------------------------------------------------------------------------------------
 
-_reference_run = {}
+_reference_run: Dict[str, RunResult] = {}  # the reference's run of the check, made once
 
 
 def _reference():
@@ -56,7 +61,7 @@ def _reference():
     return _reference_run["run"]
 
 
-def compare_with_reference(make_backend: Callable[[int, int], object], device: str, tolerance: float) -> Tuple[bool, str]:
+def compare_with_reference(make_backend: Callable[[int, int], Backend], device: str, tolerance: float) -> Tuple[bool, str]:
     from .protocol import run_protocol
 
     from .verify import compare_runs
@@ -67,7 +72,7 @@ def compare_with_reference(make_backend: Callable[[int, int], object], device: s
                                f"max |diff| {diff:.2g} (tolerance {tolerance:g})")
 
 
-def ops_factory(make_ops: Callable[[], object], device: str):
+def ops_factory(make_ops: Callable[[], CacheOps], device: str):
     from .backends.base import OpsBackend
 
     ops = make_ops()

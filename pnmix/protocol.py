@@ -100,7 +100,7 @@ def run_protocol(make: BackendFactory, run: RunConfig, seed: int, device: str = 
     metrics["saliency_computations"] = backend.saliency_computations
     metrics["mask_unchanged_after_decode"] = bool(torch.equal(mask_after_prefill, state["pair_mask"]))
     metrics["actual_attention_calls"] = calls
-    runtime = {
+    runtime: Dict[str, object] = {
         "device_kind": "cuda" if device.startswith("cuda") else "cpu",
         "accelerator_model": accelerator_model(device),
         "elapsed_seconds": elapsed,

@@ -174,7 +174,7 @@ def attend(
     prefill the cache is empty and this is full-precision causal attention over the prompt.
     """
     k_cache, v_cache = dequantize_cache(layout, state, seq_len)
-    if k_new is not None and k_new.shape[2]:
+    if k_new is not None and v_new is not None and k_new.shape[2]:  # both or neither (check_queries)
         k_cache = torch.cat([k_cache, k_new.float()], dim=2)
         v_cache = torch.cat([v_cache, v_new.float()], dim=2)
     return attention_dense(q, k_cache, v_cache, return_probs=return_probs)

@@ -8,7 +8,6 @@ dtypes, contiguity) and in the library (every size), whose message becomes a PnM
 from __future__ import annotations
 
 import ctypes
-import functools
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -22,7 +21,7 @@ from .native import INT as _INT, I64 as _I64, PTR as _PTR, CConfig, CLayout, CSt
 LIBRARY = "pnmix_core"
 ABI_VERSION = 3
 
-_SIGNATURES = {
+_SIGNATURES: native.Signatures = {
     "pnmix_core_abi_version": ([], _INT),
     "pnmix_last_error": ([], ctypes.c_char_p),
     "pnmix_core_struct_offset": ([ctypes.c_char_p, ctypes.c_char_p], _I64),

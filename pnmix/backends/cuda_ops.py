@@ -35,7 +35,7 @@ QUERY_DTYPES = {torch.float16: 0, torch.bfloat16: 1}
 
 State = Dict[str, torch.Tensor]
 
-_SIGNATURES = {
+_SIGNATURES: native.Signatures = {
     "pnmix_cuda_abi_version": ([], _INT),
     "pnmix_cuda_last_error": ([], ctypes.c_char_p),
     "pnmix_cuda_append_workspace_bytes": ([_PTR, _I64, _I64, _PTR], _INT),
@@ -104,6 +104,8 @@ def _stream(device: torch.device) -> int:
 class _AttendCall:
     """One attention call with every C argument built once: __call__ only launches."""
 
+    graphed = False  # replayed from a CUDA graph (attend_graphed's callables say whether they are)
+
     def __init__(self, lib, layout: CacheLayout, state: State, seq_len: int, q: torch.Tensor,
                  k_new: Optional[torch.Tensor], v_new: Optional[torch.Tensor]):
         self.device = _device_of(state)
@@ -111,7 +113,7 @@ class _AttendCall:
             q = q.to(torch.float16)
         self.q = _on(q, self.device, q.dtype, "q")
         n_new = 0
-        if k_new is not None and k_new.shape[2]:
+        if k_new is not None and v_new is not None and k_new.shape[2]:  # both or neither (check_queries)
             k_new = _on(k_new, self.device, torch.float16, "k_new")
             v_new = _on(v_new, self.device, torch.float16, "v_new")
             n_new = k_new.shape[2]
@@ -191,7 +193,6 @@ def bench_factory(layout: CacheLayout, state: State, seq_len: int, q: torch.Tens
         replay = _graphed(call)
         if replay is not None:
             return replay
-    call.graphed = False
     return call
 
 
@@ -216,5 +217,5 @@ def _graphed(call: _AttendCall) -> Optional[Callable[[], torch.Tensor]]:
         return call.out
 
     replay.graphed = True  # type: ignore[attr-defined]
-    replay.graph = g  # type: ignore[attr-defined]  (keep the graph alive)
+    replay.graph = g  # type: ignore[attr-defined]  # keeps the graph alive as long as the callable
     return replay

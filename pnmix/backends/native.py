@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from typing import Dict, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Mapping, Optional, Sequence, Tuple, Type
 
 import torch
 
@@ -21,7 +21,7 @@ from ..format import STATE_DTYPES, STATE_NAMES, CacheLayout
 
 I64, PTR, INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 # The C type of each config field's Python type (params.h: RATIO double, INT and LAYOUT int32).
-_C_TYPES = {float: ctypes.c_double, int: ctypes.c_int32, str: ctypes.c_int32}
+_C_TYPES: Dict[type, Type[ctypes._SimpleCData]] = {float: ctypes.c_double, int: ctypes.c_int32, str: ctypes.c_int32}
 
 
 class CConfig(ctypes.Structure):
@@ -54,7 +54,7 @@ def bind_library(name: str, signatures: Signatures, version_fn: str, abi_version
         for fn_name, (args, result) in signatures.items():
             fn = _function(lib, name, fn_name)
             fn.argtypes, fn.restype = list(args), result
-        lib._pnmix_ready = True
+        lib._pnmix_ready = True  # type: ignore[attr-defined]  # a mark on the CDLL: a reloaded one binds again
     return lib
 
 

@@ -431,14 +431,14 @@ def attend_reduce_kernel(
     for split in range(0, SPLITS):
         m = tl.maximum(m, tl.load(part_m + (bh * SPLITS + split) * M_PAD + r))
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    l = tl.zeros([BLOCK_M], tl.float32)
+    denom = tl.zeros([BLOCK_M], tl.float32)  # the merged softmax denominator
     acc = tl.zeros([BLOCK_M, D_P], tl.float32)
     for split in range(0, SPLITS):
         part = (bh * SPLITS + split) * M_PAD + r
         w = tl.exp(tl.load(part_m + part) - m_safe)
-        l += tl.load(part_l + part) * w
+        denom += tl.load(part_l + part) * w
         acc += tl.load(part_acc + part[:, None] * D_P + d[None, :]) * w[:, None]
-    out = acc / l[:, None]
+    out = acc / denom[:, None]
     b = bh // H
     h = bh % H
     i = r // REP
@@ -524,7 +524,7 @@ def attend(plan: AttendPlan, q: torch.Tensor, state, channel_bits: torch.Tensor,
     batch, q_heads, nq, d = q.shape
     _check_state(layout, state, q.device)
     q = q.contiguous()
-    if k_new is None or plan.n_new == 0:
+    if k_new is None or v_new is None or plan.n_new == 0:  # both or neither (check_queries)
         k_new = v_new = state["sink_k"][:, :, :0]
     k_new = _nonempty(k_new.to(torch.float16).contiguous())
     v_new = _nonempty(v_new.to(torch.float16).contiguous())
