@@ -211,8 +211,8 @@ def verify(
     json_path: JsonOut = None,
     model: Optional[str] = typer.Option(None, help=f"With --onnx or --engine: the LLM the file was exported from ({MODEL_KINDS})."),
     text: Optional[Path] = typer.Option(None, help="With --model: the text whose tokens are fed (default: the bundled one)."),
-    prompt_tokens: int = typer.Option(32, help="With --model: prompt tokens (one prefill)."),
-    decode_tokens: int = typer.Option(8, help="With --model: greedy decode steps checked."),
+    prompt_tokens: int = typer.Option(defaults.VERIFY_LLM_PROMPT_TOKENS, help="With --model: prompt tokens (one prefill)."),
+    decode_tokens: int = typer.Option(defaults.VERIFY_LLM_DECODE_TOKENS, help="With --model: greedy decode steps checked."),
 ) -> int:
     """Run the protocol through one backend and compare it with the PyTorch reference."""
     from .config import run_config
@@ -291,7 +291,7 @@ def export(
     opset: int = typer.Option(defaults.EXPORT_OPSET, help="ONNX default-domain opset."),
     seed: int = typer.Option(defaults.MODEL_SEED, help="Seed of the diagnostic model's weights."),
     model: Optional[str] = typer.Option(None, help=f"A Llama-family LLM ({MODEL_KINDS}) instead of the diagnostic model."),
-    dtype: str = typer.Option("fp32", help="With --model: fp32 or fp16 weights."),
+    dtype: str = typer.Option(defaults.LLM_EXPORT_DTYPE, help="With --model: fp32 or fp16 weights."),
 ) -> int:
     """Export the diagnostic model, or with --model a whole LLM, with pn-mix custom ops to ONE ONNX file."""
     if model is not None:
@@ -370,7 +370,7 @@ def bench_onnx(
     repeats: Repeats = defaults.BENCH_REPEATS,
     model: Optional[str] = typer.Option(None, help=f"An exported diagnostic .onnx file (default: export one), or an LLM ({MODEL_KINDS})."),
     json_path: JsonOut = None,
-    contexts: str = typer.Option("512,2048,4096", help="With an LLM: contexts to time at."),
+    contexts: str = typer.Option(",".join(map(str, defaults.BENCH_LLM_CONTEXTS)), help="With an LLM: contexts to time at."),
     peer: str = typer.Option("auto", help="With an LLM: auto (build with onnxruntime-genai), none, or a builder output folder."),
     onnx: Optional[Path] = typer.Option(None, help="With an LLM: its file from `pnmix export --model` (default: export one)."),
 ) -> int:
