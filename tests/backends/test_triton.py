@@ -299,6 +299,7 @@ print("compiled")
 """
 
 
+@pytest.mark.slow  # ptxas compiles every kernel in a fresh process
 def test_kernels_compile_for_sm90_without_a_gpu(tmp_path):
     """triton ships ptxas: compile every kernel for sm_90 in a process without the interpreter."""
     import subprocess

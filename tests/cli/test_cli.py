@@ -13,6 +13,7 @@ def run_cli(*args):
     return result.exit_code, result.output
 
 
+@pytest.mark.slow  # the whole protocol
 def test_reproduce_writes_manifest_shaped_json_and_passes(tmp_path):
     out = tmp_path / "out.json"
     code, text = run_cli("reproduce", "--json", out)
@@ -80,6 +81,7 @@ def test_bad_seeds_and_device(tmp_path):
     assert code == 2 and "--device" in text
 
 
+@pytest.mark.slow  # the whole protocol
 def test_verify_torch_backend_passes(tmp_path):
     """The reference through the backend interface, in a second independent run, against the
     reference run of verify: bit-identical (tolerance 0), and the manifest's exact figures."""
@@ -114,6 +116,7 @@ class _Perturbed:
         return self.reference.attend(q, layout, state, seq_len, k_new, v_new) + self.attend_by
 
 
+@pytest.mark.slow  # the whole protocol, twice
 @pytest.mark.parametrize("change, failed_field", [
     (dict(attend_by=1e-3), "max_abs_diff_final"), (dict(flip_code=True), "packed_bytes_identical")])
 def test_verify_fails_a_backend_that_differs_from_the_reference(monkeypatch, change, failed_field):

@@ -333,6 +333,7 @@ def run_pnmix(*args, cwd=None):
                           text=True, env=env, cwd=cwd or REPO, timeout=180)
 
 
+@pytest.mark.slow  # a fresh process per case
 def test_subprocess_bad_inputs_print_one_line_on_stderr(files):
     cases = (
         (["reproduce", "--manifest", files["TRUNC_MANIFEST"]], "not valid JSON"),

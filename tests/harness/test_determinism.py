@@ -66,6 +66,7 @@ def test_thread_count_does_not_change_the_bytes(torch_run):
     assert_same_run(torch_run, single)
 
 
+@pytest.mark.slow  # a second process imports torch and runs the protocol again
 def test_a_fresh_process_gives_the_same_bytes(torch_run):
     code = (
         "import hashlib, sys\n"
@@ -92,6 +93,7 @@ def test_core_backend_is_deterministic_and_matches_torch_bytes(torch_run):
     assert first.packed == torch_run.packed, "core packs other bytes than the reference"
 
 
+@pytest.mark.slow  # the protocol twice in Triton's interpreter
 def test_triton_interpreter_is_deterministic_and_matches_torch_bytes():
     import importlib.util
 
@@ -115,6 +117,7 @@ def test_triton_interpreter_is_deterministic_and_matches_torch_bytes():
     assert digest == hashlib.sha256(protocol("torch", TINY).packed).hexdigest(), "triton packs other bytes than the reference"
 
 
+@pytest.mark.slow  # an export and the protocol twice in ONNX Runtime
 def test_onnx_backend_is_deterministic_and_matches_torch_bytes(torch_run, tmp_path):
     from pnmix.export.exporter import export_onnx
 

@@ -15,6 +15,7 @@ def report(tmp_path_factory):
     return code, json.loads(path.read_text())
 
 
+@pytest.mark.slow  # the report: every component's self-check, exports included
 def test_every_component_listed_with_reason_or_passing_check(report):
     code, data = report
     names = [c["name"] for c in data["components"]]
@@ -29,6 +30,7 @@ def test_every_component_listed_with_reason_or_passing_check(report):
     assert code == 0 and data["passed"]
 
 
+@pytest.mark.slow  # the same report
 def test_core_line_follows_the_library(report):
     _, data = report
     core = next(c for c in data["components"] if c["name"].startswith("core library"))

