@@ -428,7 +428,7 @@ def eval_model(
     plot: Optional[Path] = typer.Option(None, help="Draw the figures into this PNG (needs matplotlib)."),
 ) -> int:
     """KV-cache methods (pn-mix, KIVI, uniform, quanto) on a real model vs full precision: KL, perplexity, passkey."""
-    from .hf.evaluate import eval_command
+    from .hf.evaluate.command import eval_command
 
     return eval_command(model=model, methods=methods, config=config, task=task, contexts=contexts,
                         decode_tokens=decode_tokens, text=text, lengths=lengths, depths=depths, trials=trials,

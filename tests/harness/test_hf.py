@@ -15,7 +15,7 @@ from pnmix.errors import PnMixError  # noqa: E402
 from pnmix.format import STATE_NAMES  # noqa: E402
 from pnmix.hf import PnMixCache  # noqa: E402
 from pnmix.hf._deps import quanto_unavailable_reason  # noqa: E402
-from pnmix.hf.evaluate import quantized_cache_bytes  # noqa: E402
+from pnmix.hf.evaluate.kv_bytes import quantized_cache_bytes  # noqa: E402
 from pnmix.testing import make_random_kv  # noqa: E402
 
 KV_HEADS, HEAD_DIM, LAYERS = 2, 32, 2

@@ -1,0 +1,127 @@
+"""`pnmix eval MODEL`: the options, checked before the (long) run, and the command that runs the
+tasks and writes the report."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from ...errors import PnMixError, parse_positive_ints
+from ...io import JsonReport, check_output_path, write_bytes_atomic
+from .inputs import load_text_tokens, read_text
+from .kl import kl_task
+from .methods import methods_table, parse_methods, pnmix_config
+from .passkey import haystack, passkey_task
+from .report import print_tables, render_plot, require_matplotlib
+
+
+TASKS = ("kl", "passkey")
+
+
+def parse_ints(text: str, option: str) -> List[int]:
+    return parse_positive_ints(text, option)
+
+
+def parse_depths(text: str) -> List[float]:
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values or any(not 0.0 <= v <= 1.0 for v in values):
+        raise PnMixError(f"--depths must be a comma list of numbers in [0, 1], got {text!r}")
+    return values
+
+
+def parse_tasks(text: str) -> List[str]:
+    tasks = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in tasks if t not in TASKS]
+    if not tasks or unknown:
+        raise PnMixError(f"--task must be a comma list of {', '.join(TASKS)}, got {text!r}")
+    return list(dict.fromkeys(tasks))
+
+
+def check_positions(model_config: Any, source_name: str, contexts: Sequence[int], decode_tokens: int,
+                    lengths: Sequence[int]) -> None:
+    from ..models import max_positions
+
+    limit = max_positions(model_config)
+    if not limit:
+        return
+    for context in contexts:
+        if context + decode_tokens > limit:
+            raise PnMixError(f"--contexts {context} + --decode-tokens {decode_tokens} = {context + decode_tokens} "
+                             f"tokens is longer than {source_name}'s {limit} positions")
+    for length in lengths:
+        if length > limit:
+            raise PnMixError(f"--lengths {length} is longer than {source_name}'s {limit} positions")
+
+
+# ---- the command ------------------------------------------------------------------------------
+def eval_command(model: Optional[str], methods: Optional[str], config: Optional[Path], task: str,
+                 contexts: str, decode_tokens: int, text: Optional[Path], lengths: str, depths: str,
+                 trials: int, seed: int, dtype: str, json_path: Optional[Path], plot: Optional[Path]) -> int:
+    if methods is not None and methods.strip() == "list":
+        print(methods_table())
+        return 0
+    if model is None:
+        raise PnMixError("MODEL is missing: a Hugging Face folder, a .gguf file or smollm2-135m")
+    tasks = parse_tasks(task)
+    context_list = parse_ints(contexts, "--contexts") if "kl" in tasks else []
+    length_list = parse_ints(lengths, "--lengths") if "passkey" in tasks else []
+    depth_list = parse_depths(depths)
+    if decode_tokens < 1:
+        raise PnMixError(f"--decode-tokens must be at least 1, got {decode_tokens}")
+    if trials < 1:
+        raise PnMixError(f"--trials must be at least 1, got {trials}")
+    report_file = JsonReport(json_path)  # both outputs checked before the (long) run, not after it
+    if plot is not None:
+        check_output_path(plot)
+        require_matplotlib()
+    method_list = parse_methods(methods, config)
+    source_text = read_text(text)
+    from ..attention import register
+    from ..models import load_causal_lm, load_model_config, resolve_model
+
+    source = resolve_model(model)
+    model_config = load_model_config(source)
+    for method in method_list:
+        if method.cache == "pnmix":
+            pnmix_config(method, model_config)  # a config the model's shape refuses fails now
+    check_positions(model_config, source.name, context_list, decode_tokens, length_list)
+    tokens = load_text_tokens(source, model_config)
+    ids = tokens.encode(source_text)
+    longest = max(context_list, default=0) + decode_tokens + 1
+    if context_list and len(ids) < longest:
+        raise PnMixError(f"the text has {len(ids)} tokens ({tokens.name}); --contexts {max(context_list)} "
+                         f"+ --decode-tokens {decode_tokens} needs {longest}")
+    for length in length_list:  # a too-short text or length fails before the model loads
+        haystack(tokens, ids, length, 0.5, "00000")
+    register()
+    lm = load_causal_lm(source, dtype, model_config=model_config)
+    progress = _progress()
+    results: List[Dict[str, Any]] = []
+    if context_list:
+        id_tensor = torch.tensor([ids[:longest]], dtype=torch.long, device=lm.device)
+        for context in context_list:
+            results += kl_task(lm, method_list, id_tensor, context, decode_tokens, progress)
+    passkey = passkey_task(lm, method_list, tokens, ids, length_list, depth_list, trials, seed, progress)
+    report = {"model": source.name, "results": results, "passkey": passkey}
+    print_tables(report)
+    report_file.write(report)
+    if plot is not None:
+        write_bytes_atomic(plot, render_plot(report))
+    return 0
+
+
+def _progress() -> Callable[[str], None]:
+    import sys
+
+    start = time.perf_counter()
+
+    def say(line: str) -> None:
+        print(f"[{time.perf_counter() - start:7.1f} s] {line}", file=sys.stderr, flush=True)
+
+    return say
