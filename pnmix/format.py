@@ -154,7 +154,7 @@ class CacheLayout:
 
     # ---- the append/flush schedule, closed form ---------------------------------------------
     def lengths(self, seq_len: int) -> Lengths:
-        """Token counts of a cache that has taken seq_len tokens and been flushed (SPEC 2)."""
+        """Token counts of a cache that has taken seq_len tokens and been flushed (docs/METHOD.md section 2)."""
         cfg = self.config
         sink = min(seq_len, cfg.sink_tokens)
         rest = seq_len - sink
@@ -222,7 +222,7 @@ class CacheLayout:
         """Index of the persistent (used) part of each state tensor at seq_len tokens."""
         n = self.lengths(seq_len)
         everything = slice(None)
-        used = {
+        used: Dict[str, Tuple[slice, ...]] = {
             "sink_k": (everything, everything, slice(0, n.sink)),
             "residual_k": (everything, everything, slice(0, n.residual)),
             "key_codes": (everything, everything, slice(0, n.groups)),
