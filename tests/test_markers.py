@@ -17,7 +17,9 @@ SLOW_MODULES = {
     "tests/harness/test_doctor.py": "the doctor report runs every component's self-check",
     "tests/backends/test_triton.py": "ptxas compiles every kernel for sm_90",
     "tests/cli/test_cli.py": "the whole protocol through reproduce and verify",
-    "tests/cli/test_hardening_cli.py": "a fresh process per bad input",
+    "tests/cli/test_hardening_cli.py": "fresh processes, an export and a benchmark",
+    "tests/cli/test_hardening_fuzz.py": "an export per run of the ONNX fuzz target",
+    "tests/cli/test_hardening_onnx.py": "exports of models of several capacities",
     "tests/cli/test_hardening_files.py": "fresh processes per case (special files, JSON, signals, closed stdout)",
 }
 

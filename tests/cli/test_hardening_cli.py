@@ -352,6 +352,7 @@ def test_subprocess_bad_inputs_print_one_line_on_stderr(files):
         assert done.stdout.strip() == ""
 
 
+@pytest.mark.slow  # a fresh process
 def test_debug_flag_shows_the_traceback(files):
     done = run_pnmix("--debug", "reproduce", "--manifest", files["MISSING"])
     assert done.returncode == 2
@@ -480,6 +481,7 @@ def test_an_engine_write_that_cannot_stage_keeps_the_old_pair(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["e.plan", "e.plan.json"]
 
 
+@pytest.mark.slow  # an export and a benchmark
 def test_bench_onnx_runs_a_capacity_without_group_slots(tmp_path):
     """Capacity 100 < sink_tokens + residual_size (160): the state has no group slot, and the
     exported graph still runs (the ONNX Runtime-vs-reference checks are in test_hardening_onnx)."""

@@ -165,6 +165,7 @@ def test_the_reader_refuses_special_files_and_names_the_limit(special, tmp_path)
         io.check_input_file(special["fifo"], "plugin library")
 
 
+@pytest.mark.slow  # a fresh process
 def test_a_json_input_beyond_the_size_limit_is_refused_before_it_is_read(tmp_path):
     huge = tmp_path / "huge.json"
     with open(huge, "wb") as f:  # sparse: no disk space used

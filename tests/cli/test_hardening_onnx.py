@@ -21,6 +21,7 @@ from pnmix.backends.tensorrt import engine as trt
 from pnmix.export import exporter, modelfile
 
 CONFIG = PnMixConfig(group_size=8, residual_size=16, sink_tokens=4)
+SLOW = pytest.mark.slow
 CASES = {"corrupted exports": 0}
 
 
@@ -229,11 +230,13 @@ def test_every_engine_sidecar_field_is_checked(tmp_path, change, words):
 
 @pytest.mark.parametrize("config, capacity, prefill", [
     (CONFIG, 3, 2),                 # inside the sink
-    (CONFIG, 12, 7),                # sink and part of the residual
-    (CONFIG, 19, 10),               # one token short of the first group
-    (CONFIG, 20, 10),               # exactly one group slot, flushed by the last decode
-    (PnMixConfig(group_size=8, residual_size=8, sink_tokens=0, value_bits=3, key_low_bits=3), 7, 4),
-    (PnMixConfig(), 100, 90),       # the manifest's config: bench onnx --max-seq-len 100
+    # the rest export larger models: seconds each
+    pytest.param(CONFIG, 12, 7, marks=SLOW),    # sink and part of the residual
+    pytest.param(CONFIG, 19, 10, marks=SLOW),   # one token short of the first group
+    pytest.param(CONFIG, 20, 10, marks=SLOW),   # exactly one group slot, flushed by the last decode
+    pytest.param(PnMixConfig(group_size=8, residual_size=8, sink_tokens=0, value_bits=3, key_low_bits=3), 7, 4,
+                 marks=SLOW),
+    pytest.param(PnMixConfig(), 100, 90, marks=SLOW),  # the manifest's config: bench onnx --max-seq-len 100
 ])
 def test_small_capacities_run_in_onnxruntime_like_the_reference(tmp_path, config, capacity, prefill):
     import torch
