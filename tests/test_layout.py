@@ -194,6 +194,7 @@ def _python(*args, **kwargs):
                           timeout=600, **kwargs)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the fresh-process import driver needs os.fork")
 def test_every_module_imports_in_a_fresh_process():
     names = sorted(n for n in package_modules() if n != "pnmix.__main__")  # __main__ runs the CLI

@@ -21,6 +21,7 @@ SLOW_MODULES = {
     "tests/cli/test_hardening_fuzz.py": "an export per run of the ONNX fuzz target",
     "tests/cli/test_hardening_onnx.py": "exports of models of several capacities",
     "tests/cli/test_hardening_files.py": "fresh processes per case (special files, JSON, signals, closed stdout)",
+    "tests/test_layout.py": "every module imported in its own fresh process",
 }
 
 MARKED_SLOW = re.compile(r"\bmark\.slow\b")
