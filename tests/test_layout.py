@@ -219,3 +219,22 @@ def test_importing_pnmix_is_light_and_serves_only_export():
     """)
     result = _python("-c", probe)
     assert result.returncode == 0 and "OK" in result.stdout, result.stdout + result.stderr[-4000:]
+
+
+def readme_layout_section():
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    return text.split("## Layout of the repository", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_readme_layout_table_names_every_module():
+    """A newcomer reads the layout in the README: each module file (a package by its folder) is named there."""
+    section = readme_layout_section()
+    unnamed = []
+    for folder, _ in SOURCES:
+        for path in sorted((REPO / folder).rglob("*.py")):
+            if path.name == "__init__.py" and path.parent == REPO / folder:
+                continue
+            name = f"{path.parent.name}/" if path.name == "__init__.py" else path.name
+            if f"`{name}" not in section and f"/{name}`" not in section:
+                unnamed.append(str(path.relative_to(REPO)))
+    assert not unnamed, f"name these modules in the README's layout table: {unnamed}"

@@ -26,7 +26,7 @@ prefill and after every decode step the checks are:
 ``packed_bytes_identical`` is reported, not required: it holds only where both runtimes compute the
 same fp16 K/V bit for bit (see ``kv``), which independent GEMMs do not guarantee.
 
-The report has the shape of the other verify runs (pnmix/verify.py): backend, passed, tolerance,
+The report has the shape of the other verify runs (pnmix/verify/__init__.py): backend, passed, tolerance,
 config, prefill_tokens, decode_tokens, runs (one record) and manifest (not applicable: passed).
 """
 
