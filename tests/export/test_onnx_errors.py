@@ -5,21 +5,21 @@ import onnx
 import pytest
 import torch
 from onnx import numpy_helper
+from pnmix.export.exporter import build_model
+from pnmix.export.modelfile import load_checked
 from typer.testing import CliRunner
 
 from pnmix.backends.onnxruntime.backend import OnnxBackend
 from pnmix.cli import app
 from pnmix.config import PnMixConfig
 from pnmix.errors import PnMixError
-from pnmix.export.exporter import build_model, export_onnx
-from pnmix.export.modelfile import load_checked
 
 CAPACITY = 300
 
 
 @pytest.fixture(scope="module")
-def model_file(tmp_path_factory):
-    return export_onnx(tmp_path_factory.mktemp("onnx") / "m.onnx", PnMixConfig(), max_seq_len=CAPACITY).path
+def model_file(diagnostic_file):
+    return diagnostic_file(CAPACITY)
 
 
 def one_line_error(fn, *args, **kwargs) -> str:

@@ -8,33 +8,29 @@ import onnx
 import pytest
 import torch
 from onnx import TensorProto, inliner, shape_inference
+from pnmix.export import ops
+from pnmix.export.exporter import export_onnx
+from pnmix.export.modelfile import load_checked
 from typer.testing import CliRunner
 
 from pnmix.cli import app
 from pnmix.config import CONFIG_FIELDS, PnMixConfig, RunConfig
-from pnmix.export import ops
-from pnmix.export.exporter import export_onnx
-from pnmix.export.modelfile import load_checked
 from pnmix.manifest import load_manifest
+from pnmix.testing import OTHER_CONFIG
 from pnmix.verify import verify
 
-# The issue's non-default configuration: other pair layout, bit widths and sizes.
-OTHER_CONFIG = dict(pair_layout="half", key_high_bits=4, key_low_bits=2, value_bits=4,
-                    group_size=64, residual_size=96, sink_tokens=8, high_ratio=0.25)
 CAPACITY = 512  # small capacity keeps the tests fast; the protocol needs 448
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("onnx")
-    manifest_file = export_onnx(folder / "manifest.onnx", PnMixConfig(), max_seq_len=CAPACITY).path
-    other_file = export_onnx(folder / "other.onnx", PnMixConfig(**OTHER_CONFIG), max_seq_len=CAPACITY).path
-    return {"manifest": manifest_file, "other": other_file}
+def exported(diagnostic_file):
+    return {"manifest": diagnostic_file(CAPACITY), "other": diagnostic_file(CAPACITY, PnMixConfig(**OTHER_CONFIG))}
 
 
 def empty_feeds(layout):
     """An empty cache as the file's state inputs (codes and mask INT8)."""
     from pnmix.export.torch_ops import empty_graph_state
+
     from pnmix.format import STATE_NAMES
 
     return {name: t.numpy() for name, t in zip(STATE_NAMES, empty_graph_state(layout))}

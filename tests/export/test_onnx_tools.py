@@ -6,18 +6,16 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from pnmix.export.modelfile import load_checked
 
-from pnmix.config import PnMixConfig
-from pnmix.errors import PnMixError
 from pnmix.backends.tensorrt import ort_ep as trt_ep
 from pnmix.bench.onnx import bench_command
-from pnmix.export.exporter import export_onnx
-from pnmix.export.modelfile import load_checked
+from pnmix.errors import PnMixError
 
 
 @pytest.fixture(scope="module")
-def model_file(tmp_path_factory):
-    return export_onnx(tmp_path_factory.mktemp("onnx") / "m.onnx", PnMixConfig(), max_seq_len=260).path
+def model_file(diagnostic_file):
+    return diagnostic_file(260)
 
 
 def test_bench_reports_times_size_and_identical_bytes(tmp_path):
