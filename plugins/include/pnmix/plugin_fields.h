@@ -78,19 +78,19 @@ struct FieldSpec {
 };
 
 // Each generated field kind as a FieldKind and a member pointer (high_ratio, the double, has none).
-#define PNMIX_SPEC_RATIO(name) {#name, FieldKind::kRatio, nullptr}
-#define PNMIX_SPEC_INT(name) {#name, FieldKind::kInt, &pnmix_config::name}
-#define PNMIX_SPEC_LAYOUT(name) {#name, FieldKind::kLayout, &pnmix_config::name}
+#define PNMIX_FIELD_DESC_RATIO(name) {#name, FieldKind::kRatio, nullptr}
+#define PNMIX_FIELD_DESC_INT(name) {#name, FieldKind::kInt, &pnmix_config::name}
+#define PNMIX_FIELD_DESC_LAYOUT(name) {#name, FieldKind::kLayout, &pnmix_config::name}
 
 // pnmix/config.py CONFIG_FIELDS, in its order (the pnmix_config struct's order too).
 constexpr FieldSpec kConfigFields[PNMIX_NUM_CONFIG_FIELDS] = {
-#define PNMIX_X(name, kind) PNMIX_SPEC_##kind(name),
+#define PNMIX_X(name, kind) PNMIX_FIELD_DESC_##kind(name),
     PNMIX_CONFIG_FIELDS(PNMIX_X)
 #undef PNMIX_X
 };
-#undef PNMIX_SPEC_RATIO
-#undef PNMIX_SPEC_INT
-#undef PNMIX_SPEC_LAYOUT
+#undef PNMIX_FIELD_DESC_RATIO
+#undef PNMIX_FIELD_DESC_INT
+#undef PNMIX_FIELD_DESC_LAYOUT
 
 // The pair_layout strings, indexed by their codes (PNMIX_PAIR_ADJACENT, PNMIX_PAIR_HALF).
 constexpr const char* kPairLayoutNames[PNMIX_NUM_PAIR_LAYOUTS] = {
