@@ -132,6 +132,9 @@ Seeds = Annotated[Optional[str], typer.Option("--seeds", help="Comma-separated s
 Threads = Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: the runtime's own choice).")]
 MaxSeqLen = Annotated[int, typer.Option("--max-seq-len", help="Cache capacity of the exported model, in tokens.")]
 Repeats = Annotated[int, typer.Option("--repeats", help="Timed repetitions (decode steps) per implementation.")]
+Ops = Annotated[str, typer.Option("--ops", help="The pn-mix ops in ONNX Runtime: native (libpnmix_ort's kernels), "
+                                                "functions (the file's standard-op bodies) or auto (native where the "
+                                                "library loads).")]
 
 
 def command(group: typer.Typer, name: Optional[str] = None) -> Callable[[Callable[..., int]], Callable[..., None]]:
@@ -213,6 +216,7 @@ def verify(
     text: Optional[Path] = typer.Option(None, help="With --model: the text whose tokens are fed (default: the bundled one)."),
     prompt_tokens: int = typer.Option(defaults.VERIFY_LLM_PROMPT_TOKENS, help="With --model: prompt tokens (one prefill)."),
     decode_tokens: int = typer.Option(defaults.VERIFY_LLM_DECODE_TOKENS, help="With --model: greedy decode steps checked."),
+    ops: Ops = "auto",
 ) -> int:
     """Run the protocol through one backend and compare it with the PyTorch reference."""
     from .config import run_config
@@ -232,13 +236,14 @@ def verify(
         from .verify.llm import verify_llm_command
 
         return verify_llm_command(onnx_path=onnx, model=model, text=text, prompt_tokens=prompt_tokens,
-                                  decode_tokens=decode_tokens, json_path=json_path, engine=engine, plugins=plugins)
+                                  decode_tokens=decode_tokens, json_path=json_path, engine=engine, plugins=plugins,
+                                  ops=ops)
     chosen = [name for name, given in (("backend", backend), ("onnx", onnx), ("engine", engine)) if given]
     if len(chosen) != 1:
         raise PnMixError("give exactly one of --backend NAME, --onnx MODEL or --engine PLAN")
     options: dict = {}
     if onnx is not None:
-        name, options = "onnx", {"model": onnx}
+        name, options = "onnx", {"model": onnx, "ops": ops}
     elif engine is not None:
         name, options = "engine", {"plan": engine, "plugins": plugins}
         device = "cuda"
@@ -316,12 +321,13 @@ def generate(
     max_new_tokens: int = typer.Option(32, help="Tokens to generate (greedy)."),
     threads: Threads = None,
     json_path: JsonOut = None,
+    ops: Ops = "auto",
 ) -> int:
     """Greedy generation from an exported LLM file in ONNX Runtime with the packed cache."""
     from .generate import generate_command
 
     return generate_command(model=model, tokenizer=tokenizer, prompt=prompt, prompt_file=prompt_file,
-                            max_new_tokens=max_new_tokens, json_path=json_path, threads=threads)
+                            max_new_tokens=max_new_tokens, json_path=json_path, threads=threads, ops=ops)
 
 
 @command(bench_app, "decode")
@@ -373,6 +379,7 @@ def bench_onnx(
     contexts: str = typer.Option(",".join(map(str, defaults.BENCH_LLM_CONTEXTS)), help="With an LLM: contexts to time at."),
     peer: str = typer.Option("auto", help="With an LLM: auto (build with onnxruntime-genai), none, or a builder output folder."),
     onnx: Optional[Path] = typer.Option(None, help="With an LLM: its file from `pnmix export --model` (default: export one)."),
+    ops: Ops = "auto",
 ) -> int:
     """Export time, file size and ONNX Runtime CPU time per decode step vs the PyTorch reference."""
     from .bench.onnx_llm import names_an_llm
@@ -381,11 +388,11 @@ def bench_onnx(
         from .bench.onnx_llm import bench_llm_command
 
         return bench_llm_command(model=model, contexts=contexts, repeats=repeats, onnx_path=onnx, peer=peer,
-                                 json_path=json_path)
+                                 json_path=json_path, ops=ops)
     from .bench.onnx import bench_command
 
     return bench_command(max_seq_len=max_seq_len, context=context, repeats=repeats,
-                         model=Path(model) if model is not None else None, json_path=json_path)
+                         model=Path(model) if model is not None else None, json_path=json_path, ops=ops)
 
 
 @command(app)

@@ -160,6 +160,23 @@ def check_onnxruntime() -> Component:
         return Component("onnxruntime", False, f"onnxruntime is not importable ({describe(exc)})")
     c = Component("onnxruntime", True, f"onnxruntime {ort.__version__}, providers "
                                        f"{', '.join(ort.get_available_providers())}")
+    _run_check(c, onnxruntime_check("functions"))
+    return c
+
+
+def check_native_ops() -> Component:
+    """libpnmix_ort: whether it loads into ONNX Runtime, and the protocol through its kernels."""
+    from ._native import library_status
+
+    ok, detail = library_status("pnmix_ort")
+    c = Component("ONNX Runtime native ops (libpnmix_ort)", ok, detail)
+    if ok:
+        _run_check(c, onnxruntime_check("native"))
+    return c
+
+
+def onnxruntime_check(ops: str) -> Callable[[], Tuple[bool, str]]:
+    """The protocol through an exported file in ONNX Runtime with these ops, against the reference."""
 
     def check():
         from .backends import make_backend
@@ -170,11 +187,10 @@ def check_onnxruntime() -> Component:
             model = Path(folder) / "doctor.onnx"
             exporter.export_onnx(model, CHECK_RUN.config, max_seq_len=CHECK_RUN.total_tokens, seed=CHECK_SEED)
             return compare_with_reference(
-                lambda seed, n: make_backend("onnx", CHECK_RUN.config, seed, n, "cpu", model=model), "cpu",
+                lambda seed, n: make_backend("onnx", CHECK_RUN.config, seed, n, "cpu", model=model, ops=ops), "cpu",
                 TOLERANCE["onnx"])
 
-    _run_check(c, check)
-    return c
+    return check
 
 
 def check_core() -> Component:
@@ -244,7 +260,7 @@ def check_tensorrt(has_gpu: bool) -> Component:
 def run_doctor() -> List[Component]:
     components = [check_torch(), check_cuda_device()]
     has_gpu = components[1].available
-    components += [check_triton(has_gpu), check_onnxruntime(), check_core(), check_cuda_kernels(has_gpu),
+    components += [check_triton(has_gpu), check_onnxruntime(), check_native_ops(), check_core(), check_cuda_kernels(has_gpu),
                    check_tensorrt(has_gpu)]
     return components
 

@@ -23,7 +23,8 @@ def read_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> str:
 
 
 def generate_command(model: Path, tokenizer: str, prompt: Optional[str], prompt_file: Optional[Path],
-                     max_new_tokens: int, json_path: Optional[Path], threads: Optional[int] = None) -> int:
+                     max_new_tokens: int, json_path: Optional[Path], threads: Optional[int] = None,
+                     ops: Optional[str] = None) -> int:
     from .hf.models import load_tokenizer, resolve_model
     from .io import JsonReport
 
@@ -37,12 +38,12 @@ def generate_command(model: Path, tokenizer: str, prompt: Optional[str], prompt_
     ids = tok(text, add_special_tokens=False)["input_ids"]
     info.check_room(0, len(ids), "the prompt")
     max_new_tokens = min(max_new_tokens, info.max_seq_len - len(ids) + 1)
-    session = LlmSession(model, threads, info)
+    session = LlmSession(model, threads, info, ops)
     result = greedy(session, ids, max_new_tokens, tok.eos_token_id)
     completion = tok.decode(result.new_ids, skip_special_tokens=True)
     decode_steps = max(len(result.new_ids) - 1, 0)
     report = {
-        "model": str(model), "tokenizer": tokenizer, "provider": session.provider,
+        "model": str(model), "tokenizer": tokenizer, "provider": session.provider, "ops": session.ops,
         "prompt": text, "completion": completion, "prompt_tokens": len(ids), "new_tokens": len(result.new_ids),
         "token_ids": result.new_ids,
         "prefill_seconds": result.prefill_seconds, "decode_seconds": result.decode_seconds,
@@ -52,7 +53,7 @@ def generate_command(model: Path, tokenizer: str, prompt: Optional[str], prompt_
     }
     print(text + completion)
     print(f"prefill {len(ids)} tokens: {rate_text(report['prefill_tokens_per_s'])} tokens/s; decode "
-          f"{decode_steps} tokens: {rate_text(report['decode_tokens_per_s'])} tokens/s ({session.provider}); "
+          f"{decode_steps} tokens: {rate_text(report['decode_tokens_per_s'])} tokens/s ({session.provider}, {session.ops} pn-mix ops); "
           f"packed cache {report['persistent_cache_bytes']} bytes used, {report['allocated_bytes']} allocated")
     report_file.write(report)
     return 0

@@ -58,7 +58,7 @@ def _fill(reference, tokens: torch.Tensor) -> None:
 
 def bench(max_seq_len: int = defaults.EXPORT_MAX_SEQ_LEN, context: Optional[int] = None,
           repeats: int = defaults.BENCH_REPEATS, model: Optional[Path] = None,
-          seed: int = defaults.MODEL_SEED) -> Dict[str, Any]:
+          seed: int = defaults.MODEL_SEED, ops: Optional[str] = None) -> Dict[str, Any]:
     from pnmix.backends.base import OpsBackend
     from pnmix.backends.onnxruntime.backend import OnnxBackend
     from pnmix.backends.torch_ops import TorchOps
@@ -92,7 +92,7 @@ def bench(max_seq_len: int = defaults.EXPORT_MAX_SEQ_LEN, context: Optional[int]
         layout, filled, _ = reference.state()
         saved = {name: t.clone() for name, t in filled.items()}
 
-        onnx_backend = OnnxBackend(config, info.seed, capacity, model=model)
+        onnx_backend = OnnxBackend(config, info.seed, capacity, model=model, ops=ops)
         # The two sides take turns, each from the saved state (restored untimed before every
         # step); one untimed round warms both up. Wall and CPU time are both reported.
         onnx_timing, torch_timing = time_interleaved(
@@ -123,6 +123,7 @@ def bench(max_seq_len: int = defaults.EXPORT_MAX_SEQ_LEN, context: Optional[int]
             "packed_bytes_identical_after_step": identical,
             "threads": machine["threads"],
             "onnxruntime_version": machine["onnxruntime"],
+            "ops": onnx_backend.ops,
             "config": config.to_dict(),
             "machine": machine,
         }
@@ -132,7 +133,7 @@ def print_bench(report: Dict[str, Any]) -> None:
     export = report["export_seconds"]
     rows = [("export time", "-" if export is None else f"{export:.3f} s"),
             ("file size", f"{report['file_bytes']:,} bytes"),
-            ("ONNX Runtime CPU, per decode step", f"{report['onnxruntime_ms_per_decode_step']:.3f} ms"),
+            (f"ONNX Runtime CPU ({report['ops']} ops), per decode step", f"{report['onnxruntime_ms_per_decode_step']:.3f} ms"),
             ("PyTorch reference, per decode step", f"{report['torch_reference_ms_per_decode_step']:.3f} ms"),
             ("ONNX Runtime / reference", f"{report['onnxruntime_over_torch']:.2f}x"),
             ("CPU time per step: ONNX Runtime / reference",
@@ -145,8 +146,8 @@ def print_bench(report: Dict[str, Any]) -> None:
 
 
 def bench_command(max_seq_len: int, context: Optional[int], repeats: int, model: Optional[Path],
-                  json_path: Optional[Path]) -> int:
+                  json_path: Optional[Path], ops: Optional[str] = None) -> int:
     """The CLI's `pnmix bench onnx` (pnmix/cli.py): print the table, write JSON; 1 when the packed
     bytes of the two sides differ after the step."""
-    report = run_report(json_path, lambda: bench(max_seq_len, context, repeats, model), print_bench)
+    report = run_report(json_path, lambda: bench(max_seq_len, context, repeats, model, ops=ops), print_bench)
     return 0 if report["packed_bytes_identical_after_step"] else 1

@@ -4,7 +4,9 @@ For each context C (default 512, 2048, 4096): a prefill of C tokens (one call, t
 ``repeats`` greedy decode steps (tokens/s), and the KV bytes each side holds at C + repeats tokens.
 
 * pnmix: the file of `pnmix export --model MODEL` (exported here to a temporary folder unless
-  --onnx names one), its packed state fed back each step.
+  --onnx names one), its packed state fed back each step, with each implementation of the
+  pn-mix ops that --ops asks for: ``native`` (libpnmix_ort's kernels) and ``functions`` (the
+  file's standard-op bodies); auto: both where libpnmix_ort loads, else the bodies.
 * the peer: the same model exported by onnxruntime-genai's model builder
   (``python -m onnxruntime_genai.models.builder``, fp32, CPU) with its standard fp32 KV cache,
   run with onnxruntime-genai's generator. The builder reads a Hugging Face folder: a GGUF model is
@@ -63,8 +65,16 @@ def _rates(prompt_tokens: int, prefill_s: float, decode: Stopwatch) -> Dict[str,
     return {"prefill_tokens_per_s": prompt_tokens / prefill_s, "decode_tokens_per_s": timing.count / timing.total_s}
 
 
-def time_pnmix(path: Path, ids: List[int], repeats: int, threads: Optional[int]) -> Dict[str, Any]:
-    session = LlmSession(path, threads)
+def bench_ops(ops: Optional[str]) -> List[str]:
+    """The implementations of the ops to time: auto is every one this machine has."""
+    from pnmix.backends.onnxruntime.session import resolve_ops
+
+    chosen = resolve_ops(ops)
+    return ["native", "functions"] if (ops or "auto") == "auto" and chosen == "native" else [chosen]
+
+
+def time_pnmix(path: Path, ids: List[int], repeats: int, threads: Optional[int], ops: str) -> Dict[str, Any]:
+    session = LlmSession(path, threads, ops=ops)
     logits, prefill = time_once(session.step, ids)
     decode = Stopwatch()
     for _ in range(repeats):
@@ -127,7 +137,7 @@ def build_peer(model: str, folder: Path) -> Path:
 
 
 def bench_llm(model: str, contexts=DEFAULT_CONTEXTS, repeats: int = defaults.BENCH_REPEATS, onnx_path: Optional[Path] = None,
-              peer: str = "auto", threads: Optional[int] = None) -> Dict[str, Any]:
+              peer: str = "auto", threads: Optional[int] = None, ops: Optional[str] = None) -> Dict[str, Any]:
     from pnmix.hf.models import load_model_config, load_tokenizer, resolve_model
 
     from pnmix.export.llm import export_llm
@@ -136,7 +146,9 @@ def bench_llm(model: str, contexts=DEFAULT_CONTEXTS, repeats: int = defaults.BEN
     model_config = load_model_config(source)
     tokenizer = load_tokenizer(source)
     capacity = max(contexts) + repeats + 1
-    report: Dict[str, Any] = {"model": model, "contexts": list(contexts), "repeats": repeats, "rows": []}
+    implementations = bench_ops(ops)
+    report: Dict[str, Any] = {"model": model, "contexts": list(contexts), "repeats": repeats, "ops": implementations,
+                              "rows": []}
     with tempfile.TemporaryDirectory(prefix="pnmix-bench-llm-") as tmp:
         folder = Path(tmp)
         if onnx_path is None:
@@ -150,7 +162,8 @@ def bench_llm(model: str, contexts=DEFAULT_CONTEXTS, repeats: int = defaults.BEN
             peer_folder = Path(peer)
         for context in contexts:
             ids = _ids(tokenizer, context)
-            row = {"context": context, "pnmix": time_pnmix(onnx_path, ids, repeats, threads)}
+            row = {"context": context,
+                   "pnmix": {name: time_pnmix(onnx_path, ids, repeats, threads, name) for name in implementations}}
             if peer_folder is not None:
                 row["peer"] = time_peer(peer_folder, ids, repeats)
             row["fp32_kv_bytes"] = fp_kv_bytes(model_config, context + repeats, 4)
@@ -160,26 +173,36 @@ def bench_llm(model: str, contexts=DEFAULT_CONTEXTS, repeats: int = defaults.BEN
     return report
 
 
-LLM_COLUMNS = ("context", "pnmix prefill/s", "pnmix decode/s", "peer prefill/s", "peer decode/s",
-               "pnmix KV bytes", "fp32 KV bytes", "fp16 KV bytes")
+def _ratio(mine: Optional[float], peer: Optional[float]) -> str:
+    return "-" if not mine or not peer else f"{mine / peer:.2f}x"
 
 
 def print_bench_llm(report: Dict[str, Any]) -> None:
+    columns = ["context"]
+    for name in report["ops"]:
+        columns += [f"{name} prefill/s", f"{name} decode/s", f"{name} decode vs peer"]
+    columns += ["peer prefill/s", "peer decode/s", "pnmix KV bytes", "fp32 KV bytes"]
     rows = []
     for row in report["rows"]:
-        mine, peer_row = row["pnmix"], row.get("peer", {})
-        rows.append((str(row["context"]), f"{mine['prefill_tokens_per_s']:.1f}", f"{mine['decode_tokens_per_s']:.2f}",
-                     rate_text(peer_row.get("prefill_tokens_per_s"), 2), rate_text(peer_row.get("decode_tokens_per_s"), 2),
-                     str(mine["kv_bytes"]), str(row["fp32_kv_bytes"]), str(row["fp16_kv_bytes"])))
+        peer_row = row.get("peer", {})
+        cells = [str(row["context"])]
+        for name in report["ops"]:
+            mine = row["pnmix"][name]
+            cells += [f"{mine['prefill_tokens_per_s']:.1f}", f"{mine['decode_tokens_per_s']:.2f}",
+                      _ratio(mine["decode_tokens_per_s"], peer_row.get("decode_tokens_per_s"))]
+        kv_bytes = next(iter(row["pnmix"].values()))["kv_bytes"]
+        cells += [rate_text(peer_row.get("prefill_tokens_per_s"), 1), rate_text(peer_row.get("decode_tokens_per_s"), 2),
+                  str(kv_bytes), str(row["fp32_kv_bytes"])]
+        rows.append(tuple(cells))
     notes = []
     if "export_seconds" in report:
         notes.append(f"export: {report['export_seconds']:.1f} s, {report['file_bytes']} + {report['data_bytes']} bytes")
     print_table(f"pnmix bench onnx --model {report['model']}: {report['repeats']} decode steps per context",
-                LLM_COLUMNS, rows, notes=notes)
+                tuple(columns), rows, notes=notes)
 
 
 def bench_llm_command(model: str, contexts: str, repeats: int, onnx_path: Optional[Path], peer: str,
-                      json_path: Optional[Path]) -> int:
+                      json_path: Optional[Path], ops: Optional[str] = None) -> int:
     """The CLI's `pnmix bench onnx --model` (pnmix/cli.py): print the table, write JSON, return 0."""
     from pnmix.errors import parse_positive_ints
 
@@ -187,7 +210,7 @@ def bench_llm_command(model: str, contexts: str, repeats: int, onnx_path: Option
         chosen = tuple(parse_positive_ints(contexts, "--contexts"))
         if repeats < 1:
             raise PnMixError(f"--repeats must be >= 1, got {repeats}")
-        return bench_llm(model, chosen, repeats, onnx_path, peer)
+        return bench_llm(model, chosen, repeats, onnx_path, peer, ops=ops)
 
     run_report(json_path, run, print_bench_llm)
     return 0

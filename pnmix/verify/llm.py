@@ -115,7 +115,7 @@ def _torch_side(model_source, info, dtype: str):
 def verify_llm(onnx_path: Path, model: str, text: Optional[Path] = None,
                prompt_tokens: int = defaults.VERIFY_LLM_PROMPT_TOKENS,
                decode_tokens: int = defaults.VERIFY_LLM_DECODE_TOKENS, threads: Optional[int] = None,
-               session=None) -> Dict[str, Any]:
+               session=None, ops: Optional[str] = None) -> Dict[str, Any]:
     """The file in ONNX Runtime against PyTorch, or ``session``: another runtime of the same file
     with LlmSession's interface (``info``, ``step``, ``state``, ``seq_len``, ``layer_state``,
     ``backend``, ``runtime_name``), such as a TensorRT engine built from it
@@ -138,7 +138,7 @@ def verify_llm(onnx_path: Path, model: str, text: Optional[Path] = None,
 
     probe = None
     if session is None:
-        session = LlmSession(onnx_path, threads, info)
+        session = LlmSession(onnx_path, threads, info, ops)
         probe = KvProbe(onnx_path, info.layers)
     cache = PnMixCache(info.config, max_cache_len=info.max_seq_len, backend="torch", model_config=hf_model.config)
     layout = info.layout
@@ -234,7 +234,8 @@ def _report(info, onnx_path, model, steps, tokens_ort, tokens_torch, prompt_toke
         "kv_max_abs_diff": max(s["kv_max_abs_diff"] for s in steps),
         "kv_bitwise_equal_share": min(s["kv_bitwise_equal_share"] for s in steps),
         "steps": steps, "passed": passed, "metrics": {},
-        "runtime": {"name": session.runtime_name, "elapsed_seconds": seconds},
+        "runtime": {"name": session.runtime_name, "elapsed_seconds": seconds,
+                    "ops": getattr(session, "ops", None)},
     }
     return {
         "backend": session.backend, "passed": passed, "tolerance": tolerance, "config": info.config.to_dict(),
@@ -245,7 +246,7 @@ def _report(info, onnx_path, model, steps, tokens_ort, tokens_torch, prompt_toke
 
 def verify_llm_command(onnx_path: Optional[Path], model: str, text: Optional[Path], prompt_tokens: int,
                        decode_tokens: int, json_path: Optional[Path], engine: Optional[Path] = None,
-                       plugins: Optional[Path] = None) -> int:
+                       plugins: Optional[Path] = None, ops: Optional[str] = None) -> int:
     """`pnmix verify --onnx FILE --model MODEL`, or `--engine PLAN`: the TensorRT engine built from
     such a file, checked the same way (pnmix.backends.tensorrt.llm_session)."""
     report_file = JsonReport(json_path)
@@ -257,7 +258,7 @@ def verify_llm_command(onnx_path: Optional[Path], model: str, text: Optional[Pat
         onnx_path = session.info.path
     if onnx_path is None:
         raise PnMixError("give the LLM file (--onnx FILE) or its engine (--engine PLAN)")
-    report = verify_llm(Path(onnx_path), model, text, prompt_tokens, decode_tokens, session=session)
+    report = verify_llm(Path(onnx_path), model, text, prompt_tokens, decode_tokens, session=session, ops=ops)
     return print_and_write(report, report_file)
 
 
@@ -265,6 +266,8 @@ def print_and_write(report: Dict[str, Any], report_file: JsonReport) -> int:
     """The steps, the verdict and the JSON report of verify_llm; the exit code."""
     run = report["runs"][0]
     runtime = run["runtime"]["name"]
+    if run["runtime"].get("ops"):
+        runtime += f" ({run['runtime']['ops']} ops)"
 
     def exact(value) -> str:
         return "n/a" if value is None else "yes" if value else "NO"

@@ -25,7 +25,7 @@ from pnmix.export.torch_ops import graph_state_numpy_dtype
 from pnmix.export.tracing import state_name
 from pnmix.backends.base import Backend
 
-from .session import import_onnxruntime, open_session, run_options, session_options
+from .session import import_onnxruntime, open_session, resolve_ops, run_options, session_options
 
 
 def session_bytes(layout: CacheLayout) -> int:
@@ -35,12 +35,14 @@ def session_bytes(layout: CacheLayout) -> int:
     return 3 * layout.state_bytes + dequantized
 
 
-def make_session(path, seed: Optional[int] = None, file_seed: Optional[int] = None, threads: Optional[int] = None):
-    """An ONNX Runtime CPU session; with seed != file_seed, that seed's weights replace the file's."""
+def make_session(path, seed: Optional[int] = None, file_seed: Optional[int] = None, threads: Optional[int] = None,
+                 ops: str = "functions"):
+    """An ONNX Runtime CPU session; with seed != file_seed, that seed's weights replace the file's;
+    ops: which implementation of the pn-mix ops runs (session.resolve_ops)."""
     ort = import_onnxruntime()
     from pnmix.export.exporter import seed_weights
 
-    options = session_options(threads)
+    options = session_options(threads, ops=ops)
     keep = []
     if seed is not None and seed != file_seed:
         for name, array in seed_weights(seed).items():
@@ -56,7 +58,7 @@ class OnnxBackend(Backend):
     name = "onnx"
 
     def __init__(self, config: PnMixConfig, seed: int, max_seq_len: int, device: str = "cpu",
-                 model=None, threads: Optional[int] = None):
+                 model=None, threads: Optional[int] = None, ops: Optional[str] = None):
         super().__init__(config, seed, max_seq_len, device)
         from pnmix.export.modelfile import config_differences, load_checked
 
@@ -77,7 +79,8 @@ class OnnxBackend(Backend):
         # The file states its capacity: a small file can ask for terabytes of state.
         check_fits(session_bytes(self.layout), f"{info.path}'s cache ({self.layout.describe()}) in ONNX Runtime",
                    "export the model with a smaller --max-seq-len or --batch")
-        self.session = make_session(info.path, seed, info.seed, threads)
+        self.ops = resolve_ops(ops)
+        self.session = make_session(info.path, seed, info.seed, threads, self.ops)
         self._run_options = run_options()
         self._output_names = [o.name for o in self.session.get_outputs()]
         self._state = {name: np.zeros(shape, dtype=graph_state_numpy_dtype(name))

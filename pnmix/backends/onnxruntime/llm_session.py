@@ -23,7 +23,7 @@ from pnmix.export.torch_ops import graph_state_numpy_dtype
 from pnmix.export.llm_file import LlmFileInfo, read_llm_info
 from pnmix.export.tracing import state_name
 
-from .session import cuda_or_cpu, open_session, session_options
+from .session import CPU_PROVIDERS, cuda_or_cpu, open_session, resolve_ops, session_options
 
 
 class LlmSession:
@@ -32,9 +32,12 @@ class LlmSession:
     backend = "onnx-llm"  # the name verify reports
     runtime_name = "ONNX Runtime"
 
-    def __init__(self, path: Path, threads: Optional[int] = None, info: Optional[LlmFileInfo] = None):
+    def __init__(self, path: Path, threads: Optional[int] = None, info: Optional[LlmFileInfo] = None,
+                 ops: Optional[str] = None):
         self.info = info or read_llm_info(path)
-        self.session = open_session(path, session_options(threads), cuda_or_cpu())
+        self.ops = resolve_ops(ops)  # native kernels (libpnmix_ort) or the function bodies
+        providers = list(CPU_PROVIDERS) if self.ops == "native" else cuda_or_cpu()  # the library is CPU only
+        self.session = open_session(path, session_options(threads, ops=self.ops), providers)
         self.provider = self.session.get_providers()[0]
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.reset()
