@@ -149,7 +149,7 @@ def verify_llm(onnx_path: Path, model: str, text: Optional[Path] = None,
     began = time.perf_counter()
     for step in range(decode_tokens + 1):
         seq_before = session.seq_len
-        past = {name: a for name, a in session.state.items()}
+        past = {name: a.copy() for name, a in session.state.items()}  # a native session updates in place
         ort_logits = session.step(feed)
         kv = _probe_kv(probe, feed, seq_before, past) if probe is not None else None
         with torch.no_grad():

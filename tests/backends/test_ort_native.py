@@ -178,3 +178,42 @@ def _relaxed(model):
             for dim in value.type.tensor_type.shape.dim:
                 dim.dim_param = "s_" + value.name
     return model
+
+
+@pytest.fixture(scope="module")
+def tiny_llm_file(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from pnmix.export.llm import export_llm
+    from pnmix.testing import make_tiny_model
+
+    folder = tmp_path_factory.mktemp("llm")
+    return export_llm(str(make_tiny_model(folder / "model")), folder / "m.onnx", 300).path
+
+
+def test_an_llm_session_updates_its_state_in_place_exactly_as_a_copying_one(library, tiny_llm_file):
+    """Native ops with present.* bound onto past.* (no copy between calls) against native ops
+    that copy: the same bytes in every layer and the same tokens after a prefill and 40 decode
+    steps (group flushes included), so each layer's attention reads the state before its append."""
+    from pnmix.backends.onnxruntime.llm_session import LlmSession, greedy
+
+    ids = [3 + (i * 7) % 120 for i in range(150)]
+    in_place = LlmSession(tiny_llm_file, ops="native")
+    copying = LlmSession(tiny_llm_file, ops="native")
+    copying.in_place = False
+    copying.reset()
+    assert in_place.in_place
+    first, second = greedy(in_place, ids, 40), greedy(copying, ids, 40)
+    assert first.new_ids == second.new_ids
+    np.testing.assert_array_equal(first.first_logits, second.first_logits)
+    assert in_place.seq_len == copying.seq_len == 189
+    for name, array in in_place.state.items():
+        np.testing.assert_array_equal(array, copying.state[name], err_msg=name)
+
+
+def test_an_llm_session_with_native_ops_generates_as_the_function_bodies(library, tiny_llm_file):
+    from pnmix.backends.onnxruntime.llm_session import LlmSession, greedy
+
+    ids = [3 + (i * 5) % 120 for i in range(60)]
+    native, functions = LlmSession(tiny_llm_file, ops="native"), LlmSession(tiny_llm_file, ops="functions")
+    assert (native.ops, functions.ops) == ("native", "functions")
+    assert greedy(native, ids, 20).new_ids == greedy(functions, ids, 20).new_ids

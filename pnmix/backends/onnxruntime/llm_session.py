@@ -2,9 +2,14 @@
 over it (``greedy``), for `pnmix generate`, `pnmix verify --onnx --model` and `pnmix bench onnx --model`.
 
 The prompt is ONE prefill call (all its tokens, new_len = n), then one call per new token; each
-call's present state is fed back as the next call's past state (numpy arrays here, as a runtime
-keeps them on its device). The CUDA execution provider is used when ONNX Runtime has it, else the
-CPU one.
+call's present state is fed back as the next call's past state. With the function bodies the
+state is numpy arrays fed in and taken back out each call (ONNX Runtime allocates the outputs; the
+CUDA execution provider is used when ONNX Runtime has it, else the CPU one). With the native ops
+(libpnmix_ort, CPU) every layer's ``present.<l>.<name>`` is bound to the buffer of its
+``past.<l>.<name>`` (I/O binding): the append kernel updates the state in place and nothing is
+copied between calls. That relies on each layer's attention node running before its append node,
+which ONNX Runtime's node order keeps (the exporter emits them in that order);
+tests/backends/test_ort_native.py checks the bytes against the function bodies over many steps.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ class LlmSession:
         self.session = open_session(path, session_options(threads, ops=self.ops), providers)
         self.provider = self.session.get_providers()[0]
         self.output_names = [o.name for o in self.session.get_outputs()]
+        self.in_place = self.ops == "native"
         self.reset()
 
     def reset(self) -> None:
@@ -48,14 +54,44 @@ class LlmSession:
             state_name(name, i): np.zeros(shapes[name], dtype=graph_state_numpy_dtype(name))
             for i in range(self.info.layers) for name in STATE_NAMES}
         self.seq_len = 0
+        if self.in_place:
+            self._bind_state()
+
+    def _bind_state(self) -> None:
+        """One I/O binding for the session: each layer's past and present state on one buffer (the
+        numpy arrays of self.state, which therefore always hold the state after the last call)."""
+        from .session import import_onnxruntime
+
+        ort = import_onnxruntime()
+        self.binding = self.session.io_binding()
+        self._bound = []
+        for i in range(self.info.layers):
+            for name in STATE_NAMES:
+                value = ort.OrtValue.ortvalue_from_numpy(self.state[state_name(name, i)])
+                self._bound.append(value)  # ONNX Runtime borrows the buffer: keep the OrtValue alive
+                self.binding.bind_ortvalue_input(state_name(name, i), value)
+                self.binding.bind_ortvalue_output(state_name(name, i, present=True), value)
+        self.binding.bind_output("logits")
+
+    def _run_in_place(self, feeds: Dict[str, np.ndarray]) -> np.ndarray:
+        for name, array in feeds.items():
+            self.binding.bind_cpu_input(name, array)
+        self.session.run_with_iobinding(self.binding)
+        # the binding's outputs in the order they were bound: the states, then logits
+        # (a copy: ONNX Runtime may write the next call's logits into the same buffer)
+        return self.binding.get_outputs()[len(self._bound)].numpy().copy()
 
     def step(self, ids: List[int]) -> np.ndarray:
         """Append the tokens ids (prefill: the prompt; decode: one token); fp32 logits [vocab] of the last."""
         n = len(ids)
         self.info.check_room(self.seq_len, n)
-        feeds = {"input_ids": np.asarray([ids], dtype=np.int64), "seq_len": np.array(self.seq_len, dtype=np.int64),
-                 "new_len": np.array(n, dtype=np.int64), **self.state}
-        values = dict(zip(self.output_names, self.session.run(None, feeds)))
+        scalars = {"input_ids": np.asarray([ids], dtype=np.int64), "seq_len": np.array(self.seq_len, dtype=np.int64),
+                   "new_len": np.array(n, dtype=np.int64)}
+        if self.in_place:
+            logits = self._run_in_place(scalars)
+            self.seq_len += n
+            return logits[0, -1]
+        values = dict(zip(self.output_names, self.session.run(None, {**scalars, **self.state})))
         for i in range(self.info.layers):
             for name in STATE_NAMES:
                 self.state[state_name(name, i)] = values[state_name(name, i, present=True)]
