@@ -243,7 +243,9 @@ def verify(
         raise PnMixError("give exactly one of --backend NAME, --onnx MODEL or --engine PLAN")
     options: dict = {}
     if onnx is not None:
-        name, options = "onnx", {"model": onnx, "ops": ops}
+        from .backends.onnxruntime.session import resolve_ops
+
+        name, options = "onnx", {"model": onnx, "ops": resolve_ops(ops)}
     elif engine is not None:
         name, options = "engine", {"plan": engine, "plugins": plugins}
         device = "cuda"
@@ -267,7 +269,8 @@ def verify(
 
 
 def _print_verify(report: dict) -> None:
-    table = Table(title=f"pnmix verify: backend {report['backend']} (tolerance {report['tolerance']:g})")
+    ops = f", {report['ops']} pn-mix ops" if report.get("ops") else ""
+    table = Table(title=f"pnmix verify: backend {report['backend']}{ops} (tolerance {report['tolerance']:g})")
     for column in ("seed", "max |diff| online", "max |diff| final", "packed bytes", "result"):
         table.add_column(column)
     for r in report["runs"]:

@@ -9,10 +9,13 @@
 // build. --ops native registers libpnmix_ort (beside this program by default), whose kernels run
 // the pn-mix nodes; --ops functions registers nothing and ONNX Runtime runs the function bodies the
 // file carries. What the program does is pnmix/backends/onnxruntime/llm_session.py's LlmSession
-// and greedy: the prompt as ONE call (seq_len 0, new_len n), then one call per new token, each
-// present.<l>.<state> output handed back as the next call's past.<l>.<state> input (the OrtValue
-// itself: no state byte is copied), the argmax of the last position's logits. It prints one JSON
-// object (the names of `pnmix generate --json`); any failure is `error: <one line>` and exit 2.
+// and greedy: the prompt as ONE call (seq_len 0, new_len n), then one call per new token, the
+// argmax of the last position's logits. No state byte is copied between calls: with the native ops
+// each present.<l>.<state> output is the past.<l>.<state> input's own OrtValue (the append kernel
+// updates it in place, as LlmSession's I/O binding does); with the function bodies (which read the
+// past while they write the present) ONNX Runtime allocates the presents and they become the next
+// call's pasts. It prints one JSON object (the names of `pnmix generate --json`); any failure is
+// `error: <one line>` and exit 2.
 #include <dlfcn.h>
 #include <glob.h>
 #include <limits.h>
@@ -429,10 +432,12 @@ struct Generator {
   OrtMemoryInfo* cpu;
   std::vector<std::string> input_names, output_names;  // input_ids, seq_len, new_len, past...; logits, present...
   std::vector<ValuePtr> state;                         // layer-major, STATE_NAMES order within a layer
+  bool in_place;                                       // native ops: present written into past's buffer
   int64_t seq_len = 0;
 
-  Generator(OrtSession* s, const LlmFile& f, OrtMemoryInfo* memory, const Io& inputs, OrtAllocator* allocator)
-      : session(s), file(f), cpu(memory) {
+  Generator(OrtSession* s, const LlmFile& f, OrtMemoryInfo* memory, const Io& inputs, OrtAllocator* allocator,
+            bool native)
+      : session(s), file(f), cpu(memory), in_place(native) {
     input_names = {"input_ids", "seq_len", "new_len"};
     output_names = {"logits"};
     for (int64_t l = 0; l < f.layers; ++l)
@@ -475,12 +480,16 @@ struct Generator {
     std::vector<const char*> in_names, out_names;
     for (const std::string& s : input_names) in_names.push_back(s.c_str());
     for (const std::string& s : output_names) out_names.push_back(s.c_str());
-    std::vector<OrtValue*> fetched(out_names.size(), nullptr);  // ONNX Runtime allocates the outputs
+    // null: ONNX Runtime allocates that output (logits; the presents of the function bodies)
+    std::vector<OrtValue*> fetched(out_names.size(), nullptr);
+    if (in_place)
+      for (size_t k = 0; k < state.size(); ++k) fetched[k + 1] = state[k].get();
     check(g_api->Run(session, nullptr, in_names.data(), feeds.data(), feeds.size(), out_names.data(), out_names.size(),
                      fetched.data()),
           "ONNX Runtime failed to run the model");
     const ValuePtr logits(fetched[0]);
-    for (size_t k = 0; k < state.size(); ++k) state[k].reset(fetched[k + 1]);  // present -> next past, no copy
+    if (!in_place)
+      for (size_t k = 0; k < state.size(); ++k) state[k].reset(fetched[k + 1]);  // present -> next past
     seq_len += n;
     return argmax_last(logits.get());
   }
@@ -555,7 +564,8 @@ int run(int argc, char** argv) {
   OrtMemoryInfo* raw_cpu = nullptr;
   check(g_api->CreateCpuMemoryInfo(OrtArenaAllocator, OrtMemTypeDefault, &raw_cpu), "CreateCpuMemoryInfo");
   const MemoryInfoPtr cpu(raw_cpu);
-  Generator g(session.get(), file, cpu.get(), session_io(session.get(), allocator, true), allocator);
+  Generator g(session.get(), file, cpu.get(), session_io(session.get(), allocator, true), allocator,
+              args.ops == "native");
 
   auto began = std::chrono::steady_clock::now();
   std::vector<int64_t> generated{g.step(prompt)};

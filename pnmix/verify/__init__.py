@@ -52,6 +52,7 @@ def verify(backend: str, run: RunConfig, manifest: Dict[str, Any], seeds: List[i
     manifest_passed = not any(row.failed for row in rows)
     return {
         "backend": backend,
+        **({"ops": options["ops"]} if "ops" in options else {}),  # which implementation of the ONNX ops ran
         "passed": manifest_passed and all(r["passed"] for r in records),
         "tolerance": tolerance,
         "config": run.config.to_dict(),
