@@ -83,7 +83,9 @@ def render() -> str:
               f"#define PNMIX_DUMP_VERSION {dump.DUMP_VERSION}",
               f"#define PNMIX_DUMP_HEADER_BYTES {dump.DUMP_HEADER_BYTES}"]
     lines += [f"#define PNMIX_DUMP_AT_{name.upper()} {offsets[name]}" for name, _ in dump.DUMP_HEADER_FIELDS]
-    lines += ["", "/* The TensorRT plugins: names, version, namespace (export/ops.py). */",
+    lines += ["", "/* The ONNX ops' domain (export/ops.py): the ONNX Runtime custom-op library registers it. */",
+              f'#define PNMIX_OP_DOMAIN "{ops.DOMAIN}"',
+              "", "/* The TensorRT plugins: names, version, namespace (export/ops.py). */",
               f'#define PNMIX_PLUGIN_VERSION "{ops.PLUGIN_VERSION}"',
               f'#define PNMIX_PLUGIN_NAMESPACE "{ops.PLUGIN_NAMESPACE}"',
               f'#define PNMIX_ATTENTION_PLUGIN_NAME "{ops.ATTENTION_OP}"',

@@ -31,8 +31,7 @@
 
 namespace {
 
-// export/ops.py DOMAIN (generated.h carries the op names, not yet the domain).
-constexpr const char* kDomain = "pnmix";
+constexpr const char* kDomain = PNMIX_OP_DOMAIN;  // generated.h, from export/ops.py
 constexpr const char* kThreadsKey = "pnmix.threads";
 constexpr const char* kThreadsEnv = "PNMIX_ORT_THREADS";
 constexpr int kMaxRank = 8;
@@ -46,7 +45,12 @@ const char* op_name(OpKind kind) { return kind == OpKind::kAppend ? PNMIX_APPEND
 
 // Inputs before the eleven state tensors (docs/OPS.md: append k_new v_new seq_len new_len;
 // attention q k_new v_new seq_len new_len).
-size_t leading_inputs(OpKind kind) { return kind == OpKind::kAppend ? 4 : 5; }
+// Input positions come from generated.h (export/ops.py's tables); read_lengths takes new_len right after seq_len.
+static_assert(PNMIX_APPEND_IN_NEW_LEN == PNMIX_APPEND_IN_SEQ_LEN + 1, "new_len follows seq_len");
+static_assert(PNMIX_ATTENTION_IN_NEW_LEN == PNMIX_ATTENTION_IN_SEQ_LEN + 1, "new_len follows seq_len");
+size_t leading_inputs(OpKind kind) {
+  return kind == OpKind::kAppend ? PNMIX_APPEND_IN_FIRST_STATE : PNMIX_ATTENTION_IN_FIRST_STATE;
+}
 
 ONNXTensorElementDataType state_type(int i) {
   switch (i) {
@@ -332,12 +336,12 @@ OrtStatus* compute_append(const Kernel& k, OrtKernelContext* ctx) {
   if (OrtStatus* status = read_state(k, ctx, leading_inputs(k.kind), &in)) return status;
   const OrtValue* kv[2];
   Tensor key, value;
-  if (OrtStatus* status = input(k, ctx, 0, "k_new", &kv[0])) return status;
-  if (OrtStatus* status = input(k, ctx, 1, "v_new", &kv[1])) return status;
+  if (OrtStatus* status = input(k, ctx, PNMIX_APPEND_IN_K_NEW, "k_new", &kv[0])) return status;
+  if (OrtStatus* status = input(k, ctx, PNMIX_APPEND_IN_V_NEW, "v_new", &kv[1])) return status;
   if (OrtStatus* status = read_tokens(api, k.kind, kv[0], "k_new", in.layout, in.layout.kv_heads, &key)) return status;
   if (OrtStatus* status = read_tokens(api, k.kind, kv[1], "v_new", in.layout, in.layout.kv_heads, &value)) return status;
   if (value.dims[2] != key.dims[2]) return fail(api, k.kind, "inputs 'k_new' and 'v_new' differ in shape");
-  if (OrtStatus* status = read_lengths(k, ctx, 2, key.dims[2], &in)) return status;
+  if (OrtStatus* status = read_lengths(k, ctx, PNMIX_APPEND_IN_SEQ_LEN, key.dims[2], &in)) return status;
 
   // Outputs have the inputs' shapes; the append happens in the output (in place when ONNX
   // Runtime bound an output onto its input's buffer).
@@ -367,15 +371,15 @@ OrtStatus* compute_attention(const Kernel& k, OrtKernelContext* ctx) {
   if (OrtStatus* status = read_state(k, ctx, leading_inputs(k.kind), &in)) return status;
   const OrtValue* values[3];
   Tensor q, key, value;
-  if (OrtStatus* status = input(k, ctx, 0, "q", &values[0])) return status;
-  if (OrtStatus* status = input(k, ctx, 1, "k_new", &values[1])) return status;
-  if (OrtStatus* status = input(k, ctx, 2, "v_new", &values[2])) return status;
+  if (OrtStatus* status = input(k, ctx, PNMIX_ATTENTION_IN_Q, "q", &values[0])) return status;
+  if (OrtStatus* status = input(k, ctx, PNMIX_ATTENTION_IN_K_NEW, "k_new", &values[1])) return status;
+  if (OrtStatus* status = input(k, ctx, PNMIX_ATTENTION_IN_V_NEW, "v_new", &values[2])) return status;
   if (OrtStatus* status = read_tokens(api, k.kind, values[0], "q", in.layout, -1, &q)) return status;
   if (OrtStatus* status = read_tokens(api, k.kind, values[1], "k_new", in.layout, in.layout.kv_heads, &key)) return status;
   if (OrtStatus* status = read_tokens(api, k.kind, values[2], "v_new", in.layout, in.layout.kv_heads, &value)) return status;
   if (value.dims[2] != key.dims[2] || key.dims[2] != q.dims[2])
     return fail(api, k.kind, "inputs 'q', 'k_new' and 'v_new' must have the same n");
-  if (OrtStatus* status = read_lengths(k, ctx, 3, key.dims[2], &in)) return status;
+  if (OrtStatus* status = read_lengths(k, ctx, PNMIX_ATTENTION_IN_SEQ_LEN, key.dims[2], &in)) return status;
 
   OrtValue* out = nullptr;
   PNMIX_ORT_TRY(api, k.kind, "output 'attention'", api->KernelContext_GetOutput(ctx, 0, q.dims, q.rank, &out));

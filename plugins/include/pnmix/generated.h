@@ -99,6 +99,9 @@
 #define PNMIX_DUMP_AT_SEQ_LEN 52
 #define PNMIX_DUMP_AT_RESERVED1 60
 
+/* The ONNX ops' domain (export/ops.py): the ONNX Runtime custom-op library registers it. */
+#define PNMIX_OP_DOMAIN "pnmix"
+
 /* The TensorRT plugins: names, version, namespace (export/ops.py). */
 #define PNMIX_PLUGIN_VERSION "1"
 #define PNMIX_PLUGIN_NAMESPACE ""
