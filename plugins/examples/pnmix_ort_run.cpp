@@ -187,11 +187,9 @@ SessionPtr open_session(const Args& args, OrtEnv* env) {
            " (build the pnmix_ort target, pass --pnmix-ort PATH, or use --ops functions)");
     check(g_api->RegisterCustomOpsLibrary_V2(options.get(), library.c_str()),
           "ONNX Runtime cannot register " + library);
-    // As pnmix/backends/onnxruntime/session.py's use_native_ops: the kernels' own thread count, and
-    // ONNX Runtime's intra-op threads must not spin while the kernels' pool runs.
+    // As pnmix/backends/onnxruntime/session.py's use_native_ops: the kernels' own thread count
+    // (ONNX Runtime's intra-op threads keep spinning between ops: docs/OPS.md section 5.1 measures it).
     check(g_api->AddSessionConfigEntry(options.get(), "pnmix.threads", std::to_string(args.threads).c_str()),
-          "AddSessionConfigEntry");
-    check(g_api->AddSessionConfigEntry(options.get(), "session.intra_op.allow_spinning", "0"),
           "AddSessionConfigEntry");
   }
   if (!is_file(args.model)) fail("cannot read the model " + args.model);
