@@ -77,9 +77,10 @@ def _as_reference(arrays: Dict[str, np.ndarray]) -> Dict[str, torch.Tensor]:
 
 class KvProbe:
     """The fp16 K/V every layer's PnMixAppend node takes, as extra outputs of a second session over
-    the same graph (the file on disk is not changed)."""
+    the same graph (the file on disk is not changed), run with the session's ops: the K/V of a layer
+    depend on the attention of the layers before it, so both sessions must compute it alike."""
 
-    def __init__(self, path: Path, layers: int):
+    def __init__(self, path: Path, layers: int, implementation: str = "functions"):
         import onnx
 
         from pnmix.backends.onnxruntime.session import open_session, session_options
@@ -93,7 +94,7 @@ class KvProbe:
         for k, v in self.names:
             for name in (k, v):
                 proto.graph.output.append(onnx.helper.make_empty_tensor_value_info(name))
-        options = session_options()
+        options = session_options(ops=implementation)
         options.add_session_config_entry("session.model_external_initializers_file_folder_path",
                                          str(Path(path).resolve().parent))
         self.session = open_session(proto.SerializeToString(), options)
@@ -139,7 +140,7 @@ def verify_llm(onnx_path: Path, model: str, text: Optional[Path] = None,
     probe = None
     if session is None:
         session = LlmSession(onnx_path, threads, info, ops)
-        probe = KvProbe(onnx_path, info.layers)
+        probe = KvProbe(onnx_path, info.layers, session.ops)
     cache = PnMixCache(info.config, max_cache_len=info.max_seq_len, backend="torch", model_config=hf_model.config)
     layout = info.layout
     steps: List[Dict[str, Any]] = []
