@@ -36,6 +36,7 @@
 #include <string>
 #include <vector>
 
+#include "example_json.h"
 #include "ort/ort_c_api.h"
 #include "pnmix/format.h"
 #include "pnmix/params.h"
@@ -55,6 +56,11 @@ std::string one_line(std::string text) {
 }
 
 [[noreturn]] void fail(const std::string& message) { throw Failure(one_line(message)); }
+
+// The shared readers (example_json.h) with this program's error exit.
+pnmix_config config_from(const std::string& json) { return pnmix_example::config_from(json, "pnmix.config", fail); }
+std::vector<int64_t> parse_ids(const std::string& text, int64_t vocab) { return pnmix_example::parse_ids(text, vocab, fail); }
+using pnmix_example::layer_tensor;
 
 // ---- arguments --------------------------------------------------------------------------------
 
@@ -231,49 +237,6 @@ struct Metadata {
   }
 };
 
-// One value of pnmix.config (sorted JSON of PnMixConfig.to_dict(): flat, its keys unique).
-std::string json_value(const std::string& json, const std::string& key) {
-  const std::string quoted = "\"" + key + "\"";
-  size_t at = json.find(quoted);
-  if (at == std::string::npos) fail("pnmix.config lacks '" + key + "'");
-  at = json.find(':', at + quoted.size());
-  if (at == std::string::npos) fail("pnmix.config: no value for '" + key + "'");
-  ++at;
-  while (at < json.size() && std::isspace(static_cast<unsigned char>(json[at]))) ++at;
-  if (at < json.size() && json[at] == '"') {
-    const size_t end = json.find('"', at + 1);
-    if (end == std::string::npos) fail("pnmix.config: unterminated string for '" + key + "'");
-    return json.substr(at + 1, end - at - 1);
-  }
-  size_t end = at;
-  while (end < json.size() && std::string(",} \n\r\t").find(json[end]) == std::string::npos) ++end;
-  return json.substr(at, end - at);
-}
-
-int32_t pair_layout_code(const std::string& name) {
-#define PNMIX_X(code, NAME, text) \
-  if (name == text) return code;
-  PNMIX_PAIR_LAYOUTS(PNMIX_X)
-#undef PNMIX_X
-  return -1;
-}
-
-// Every config field by its CONFIG_FIELDS name (generated.h), checked as FORMAT.md 1.1 says.
-pnmix_config config_from(const std::string& json) {
-  pnmix_config c{};
-#define PNMIX_READ_RATIO(name) c.name = std::atof(json_value(json, #name).c_str());
-#define PNMIX_READ_INT(name) c.name = std::atoi(json_value(json, #name).c_str());
-#define PNMIX_READ_LAYOUT(name) c.name = pair_layout_code(json_value(json, #name));
-#define PNMIX_X(name, kind) PNMIX_READ_##kind(name)
-  PNMIX_CONFIG_FIELDS(PNMIX_X)
-#undef PNMIX_X
-#undef PNMIX_READ_RATIO
-#undef PNMIX_READ_INT
-#undef PNMIX_READ_LAYOUT
-  if (const char* bad = pnmix::config_error(c)) fail(std::string("pnmix.config: ") + bad);
-  return c;
-}
-
 struct LlmFile {
   pnmix_layout layout;
   int64_t layers, vocab;
@@ -370,10 +333,6 @@ Io session_io(const OrtSession* session, OrtAllocator* allocator, bool inputs) {
   return io;
 }
 
-std::string layer_tensor(const char* prefix, int64_t layer, int i) {
-  return std::string(prefix) + "." + std::to_string(layer) + "." + pnmix::state_name(i);
-}
-
 int64_t volume(const std::vector<int64_t>& shape) {
   int64_t v = 1;
   for (int64_t d : shape) v *= d;
@@ -404,22 +363,6 @@ void check_interface(const LlmFile& f, const Io& inputs, const Io& outputs, cons
           volume(s->shape) * element_bytes(s->type) != pnmix::state_bytes(f.layout, i))
         fail(past + " does not match docs/FORMAT.md for the file's pnmix.config and shapes");
     }
-}
-
-std::vector<int64_t> parse_ids(const std::string& text, int64_t vocab) {
-  std::vector<int64_t> ids;
-  std::stringstream in(text);
-  std::string item;
-  while (std::getline(in, item, ',')) {
-    char* end = nullptr;
-    errno = 0;
-    const long long id = std::strtoll(item.c_str(), &end, 10);
-    if (item.empty() || *end != '\0' || errno == ERANGE || id < 0 || id >= vocab)
-      fail("--tokens: '" + item + "' is not a token id in 0.." + std::to_string(vocab - 1));
-    ids.push_back(id);
-  }
-  if (ids.empty() || text.back() == ',') fail("--tokens needs token ids separated by commas, got '" + text + "'");
-  return ids;
 }
 
 // ---- generation ---------------------------------------------------------------------------------

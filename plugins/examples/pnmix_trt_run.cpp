@@ -38,6 +38,7 @@
 #include <string>
 #include <vector>
 
+#include "example_json.h"
 #include "pnmix/format.h"
 #include "pnmix/params.h"
 
@@ -48,6 +49,14 @@ namespace {
   std::fprintf(stderr, "error: %s\n", message.c_str());
   std::exit(2);
 }
+
+// The shared readers (example_json.h) with this program's error exit.
+std::string json_value(const std::string& json, const std::string& key) {
+  return pnmix_example::json_value(json, key, "engine description", die);
+}
+pnmix_config config_from(const std::string& json) { return pnmix_example::config_from(json, "engine description", die); }
+std::vector<int64_t> parse_ids(const std::string& text, int64_t vocab) { return pnmix_example::parse_ids(text, vocab, die); }
+using pnmix_example::layer_tensor;
 
 void cuda_check(cudaError_t err, const char* what) {
   if (err != cudaSuccess) die(std::string(what) + ": " + cudaGetErrorString(err));
@@ -92,52 +101,8 @@ std::string read_file(const std::string& path) {
   return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
 }
 
-// The few values the example needs from model.plan.json (a flat scan: the keys are unique there).
-std::string json_value(const std::string& json, const std::string& key) {
-  const std::string quoted = "\"" + key + "\"";
-  size_t at = json.find(quoted);
-  if (at == std::string::npos) die("engine description lacks '" + key + "'");
-  at = json.find(':', at + quoted.size());
-  if (at == std::string::npos) die("engine description: no value for '" + key + "'");
-  ++at;
-  while (at < json.size() && std::isspace(static_cast<unsigned char>(json[at]))) ++at;
-  if (at < json.size() && json[at] == '"') {
-    const size_t end = json.find('"', at + 1);
-    if (end == std::string::npos) die("engine description: unterminated string for '" + key + "'");
-    return json.substr(at + 1, end - at - 1);
-  }
-  size_t end = at;
-  while (end < json.size() && std::string(",}] \n\r\t").find(json[end]) == std::string::npos) ++end;
-  return json.substr(at, end - at);
-}
-
 bool json_has(const std::string& json, const std::string& key) {
   return json.find("\"" + key + "\"") != std::string::npos;
-}
-
-// pair_layout's code, or -1 for a name that is none (config_error then refuses it).
-int32_t pair_layout_code(const std::string& name) {
-#define PNMIX_X(code, NAME, text) \
-  if (name == text) return code;
-  PNMIX_PAIR_LAYOUTS(PNMIX_X)
-#undef PNMIX_X
-  return -1;
-}
-
-// Every config field of the description, by its CONFIG_FIELDS name (generated.h).
-pnmix_config config_from(const std::string& json) {
-  pnmix_config c{};
-#define PNMIX_READ_RATIO(name) c.name = std::atof(json_value(json, #name).c_str());
-#define PNMIX_READ_INT(name) c.name = std::atoi(json_value(json, #name).c_str());
-#define PNMIX_READ_LAYOUT(name) c.name = pair_layout_code(json_value(json, #name));
-#define PNMIX_X(name, kind) PNMIX_READ_##kind(name)
-  PNMIX_CONFIG_FIELDS(PNMIX_X)
-#undef PNMIX_X
-#undef PNMIX_READ_RATIO
-#undef PNMIX_READ_INT
-#undef PNMIX_READ_LAYOUT
-  if (const char* bad = pnmix::config_error(c)) die(std::string("engine description: ") + bad);
-  return c;
 }
 
 int64_t volume(const nvinfer1::Dims& d) {
@@ -286,25 +251,6 @@ void load_engine(const Args& args, LoadedEngine& out) {
 }
 
 // ---- the LLM engine: greedy generation over token ids ----------------------------------------
-
-std::vector<int64_t> parse_ids(const std::string& text, int64_t vocab) {
-  std::vector<int64_t> ids;
-  std::stringstream in(text);
-  std::string item;
-  while (std::getline(in, item, ',')) {
-    char* end = nullptr;
-    const long long id = std::strtoll(item.c_str(), &end, 10);
-    if (item.empty() || *end != '\0' || id < 0 || id >= vocab)
-      die("--tokens: '" + item + "' is not a token id in 0.." + std::to_string(vocab - 1));
-    ids.push_back(id);
-  }
-  if (ids.empty()) die("--tokens needs at least one token id (comma-separated)");
-  return ids;
-}
-
-std::string layer_tensor(const char* prefix, int64_t layer, int i) {
-  return std::string(prefix) + "." + std::to_string(layer) + "." + pnmix::state_name(i);
-}
 
 struct LlmRunner {
   nvinfer1::ICudaEngine* engine;
