@@ -22,6 +22,7 @@ SLOW_MODULES = {
     "tests/cli/test_hardening_onnx.py": "exports of models of several capacities",
     "tests/cli/test_hardening_files.py": "fresh processes per case (special files, JSON, signals, closed stdout)",
     "tests/test_layout.py": "every module imported in its own fresh process",
+    "tests/backends/test_ort_native.py": "an LLM exported and decoded 190 tokens through libpnmix_ort",
 }
 
 MARKED_SLOW = re.compile(r"\bmark\.slow\b")

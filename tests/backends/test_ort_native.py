@@ -190,6 +190,7 @@ def tiny_llm_file(tmp_path_factory):
     return export_llm(str(make_tiny_model(folder / "model")), folder / "m.onnx", 300).path
 
 
+@pytest.mark.slow
 def test_an_llm_session_updates_its_state_in_place_exactly_as_a_copying_one(library, tiny_llm_file):
     """Native ops with present.* bound onto past.* (no copy between calls) against native ops
     that copy: the same bytes in every layer and the same tokens after a prefill and 40 decode
@@ -210,6 +211,7 @@ def test_an_llm_session_updates_its_state_in_place_exactly_as_a_copying_one(libr
         np.testing.assert_array_equal(array, copying.state[name], err_msg=name)
 
 
+@pytest.mark.slow
 def test_an_llm_session_with_native_ops_generates_as_the_function_bodies(library, tiny_llm_file):
     from pnmix.backends.onnxruntime.llm_session import LlmSession, greedy
 
