@@ -5,6 +5,7 @@ downloaded): what the tests and `pnmix bench onnx` smoke runs export when no rea
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 from typing import TYPE_CHECKING, List
 
@@ -102,3 +103,11 @@ def make_tiny_model(folder: Path, model_type: str = "llama", layers: int = 2, se
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+class PluginField(ctypes.Structure):
+    """pnmix_field (plugin_fields.h) == nvinfer1::PluginField: how the tests hand libpnmix_fields
+    a TensorRT plugin's fields (the config itself is pnmix.backends.native.CConfig)."""
+
+    _fields_ = [("name", ctypes.c_char_p), ("data", ctypes.c_void_p), ("type", ctypes.c_int32),
+                ("length", ctypes.c_int32)]

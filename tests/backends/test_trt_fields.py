@@ -20,23 +20,18 @@ from pathlib import Path
 
 import pytest
 
+from pnmix.backends.native import CConfig
 from pnmix.config import CONFIG_FIELDS, PAIR_LAYOUTS, PnMixConfig
 from pnmix.errors import PnMixError
+from pnmix.testing import OTHER_CONFIG, PluginField
 
 REPO = Path(__file__).resolve().parents[2]
 FLOAT32, FLOAT64, INT32, CHAR, INT64 = 1, 2, 5, 6, 10  # nvinfer1::PluginFieldType codes
-OTHER = dict(pair_layout="half", key_high_bits=4, key_low_bits=2, value_bits=4, group_size=64,
-             residual_size=96, sink_tokens=8, high_ratio=0.25)
+OTHER = OTHER_CONFIG
 
 
-class Field(ctypes.Structure):  # pnmix_field == nvinfer1::PluginField
-    _fields_ = [("name", ctypes.c_char_p), ("data", ctypes.c_void_p), ("type", ctypes.c_int32),
-                ("length", ctypes.c_int32)]
-
-
-class Config(ctypes.Structure):  # pnmix_config (plugins/include/pnmix/params.h)
-    _fields_ = [("high_ratio", ctypes.c_double)] + [
-        (name, ctypes.c_int32) for name in CONFIG_FIELDS if name != "high_ratio"]
+Field = PluginField  # pnmix_field == nvinfer1::PluginField
+Config = CConfig  # pnmix_config (plugins/include/pnmix/params.h)
 
 
 class Storage(ctypes.Structure):  # pnmix_field_storage

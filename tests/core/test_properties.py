@@ -23,7 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pnmix._native import NativeLibraryError
-from pnmix.testing import make_random_kv, schedule_list_model
+from pnmix.backends.native import CConfig
+from pnmix.testing import PluginField, make_random_kv, schedule_list_model
 from pnmix import reference
 from pnmix.cache import PackedKVCache
 from pnmix.config import CONFIG_FIELDS, PnMixConfig, run_config
@@ -469,14 +470,8 @@ FLOAT32, INT32, CHAR = 1, 5, 6  # nvinfer1::PluginFieldType codes, as TensorRT's
 FIELDS_SOURCES = ("plugins/trt/fields_abi.cpp", "plugins/include/pnmix/plugin_fields.h")
 
 
-class _Field(ctypes.Structure):  # pnmix_field == nvinfer1::PluginField
-    _fields_ = [("name", ctypes.c_char_p), ("data", ctypes.c_void_p), ("type", ctypes.c_int32),
-                ("length", ctypes.c_int32)]
-
-
-class _Config(ctypes.Structure):  # pnmix_config (plugins/include/pnmix/params.h)
-    _fields_ = [("high_ratio", ctypes.c_double)] + [
-        (name, ctypes.c_int32) for name in CONFIG_FIELDS if name != "high_ratio"]
+_Field = PluginField  # pnmix_field == nvinfer1::PluginField
+_Config = CConfig  # pnmix_config (plugins/include/pnmix/params.h)
 
 
 @pytest.fixture(scope="module")
