@@ -75,8 +75,9 @@ def self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: 
     v = v.repeat_interleave(repeat, dim=1)
     scores = torch.matmul(q, k.transpose(2, 3)) * head_dim ** -0.5
     n = q.shape[2]
-    future = torch.ones(n, n, dtype=torch.bool).triu(1)
-    scores = scores.masked_fill(future, float("-inf"))
+    # an additive mask, as transformers' eager attention adds its causal mask (ONNX Runtime's Add
+    # broadcasts faster than the Where of masked_fill; x + 0 and x + -inf give the same scores)
+    scores = scores + torch.full((n, n), float("-inf"), dtype=scores.dtype).triu(1)
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     return torch.matmul(probs, v).float()
 
@@ -132,10 +133,17 @@ class DecoderLayer(nn.Module):
         q = (q * cos) + (rotate_half(q) * sin)
         k = (k * cos) + (rotate_half(k) * sin)
         q16, k16, v16 = q.to(torch.float16), k.to(torch.float16), v.to(torch.float16)
-        attn = torch_ops.attention(q16, k16, v16, seq_len, new_len, state, config, max_seq_len)
         # A prefill has nothing packed to read: like PnMixCache (pnmix.hf), it attends over the
-        # prompt's own K/V in the model's precision. The fp16 op result is selected otherwise.
-        attn = torch.where(seq_len == 0, self_attention(q, k, v, d.head_dim), attn)
+        # prompt's own K/V in the model's precision; every other step runs the op. torch.cond
+        # becomes an ONNX If, so each call computes one of the two (a prefill's op attention over
+        # its own tokens cost half of a 2K prefill when both ran and a Where picked one).
+        def prefill(q, k, v, q16, k16, v16, seq_len, new_len, *state):
+            return self_attention(q, k, v, d.head_dim)
+
+        def step(q, k, v, q16, k16, v16, seq_len, new_len, *state):
+            return torch_ops.attention(q16, k16, v16, seq_len, new_len, state, config, max_seq_len)
+
+        attn = torch.cond(seq_len == 0, prefill, step, (q, k, v, q16, k16, v16, seq_len, new_len, *state))
         present = torch_ops.append(k16, v16, seq_len, new_len, state, config, max_seq_len)
         attn = attn.to(x.dtype).transpose(1, 2).reshape(batch, n, d.q_heads * d.head_dim)
         x = x + self.o_proj(attn)

@@ -112,6 +112,23 @@ def node_attributes(config: PnMixConfig) -> Dict[str, Any]:
     return values
 
 
+def walk_nodes(graph: onnx.GraphProto):
+    """Every node of a graph and of the subgraphs its nodes hold (If branches, Loop and Scan
+    bodies), depth first: an LLM file keeps each layer's PnMixAttention in an If branch."""
+    for node in graph.node:
+        yield node
+        for attribute in node.attribute:
+            if attribute.HasField("g"):
+                yield from walk_nodes(attribute.g)
+            for subgraph in attribute.graphs:
+                yield from walk_nodes(subgraph)
+
+
+def pnmix_nodes(graph: onnx.GraphProto, op_type: str) -> List[onnx.NodeProto]:
+    """The graph's pn-mix nodes of one op type, subgraphs included."""
+    return [n for n in walk_nodes(graph) if n.domain == DOMAIN and n.op_type == op_type]
+
+
 def config_from_attributes(node: onnx.NodeProto) -> PnMixConfig:
     """The PnMixConfig a pn-mix node's attributes describe (errors name the attribute)."""
     given = {a.name: helper.get_attribute_value(a) for a in node.attribute}

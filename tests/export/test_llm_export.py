@@ -63,8 +63,12 @@ def test_file_has_two_pnmix_nodes_per_layer_with_the_table_and_the_function_bodi
     info = read_llm_info(tiny["onnx"])
     config = PnMixConfig.from_mapping(dict(PnMixConfig(pair_layout="half").to_dict(), **SMALL))
     assert info.config == config and info.layers == 2 and info.max_seq_len == CAPACITY
-    nodes = [n for n in model.graph.node if n.domain == ops.DOMAIN]
+    nodes = [n for n in ops.walk_nodes(model.graph) if n.domain == ops.DOMAIN]
     assert sorted(n.op_type for n in nodes) == [ops.APPEND_OP] * 2 + [ops.ATTENTION_OP] * 2
+    # each attention runs in the else branch of an If on seq_len == 0 (a prefill attends in fp32)
+    ifs = [n for n in model.graph.node if n.op_type == "If"]
+    assert [[x.op_type for x in ops.walk_nodes(onnx.helper.get_attribute_value(
+        next(a for a in n.attribute if a.name == "else_branch")))] for n in ifs] == [[ops.ATTENTION_OP]] * 2
     want = ops.node_attributes(config)
     for node in nodes:
         got = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
@@ -218,6 +222,24 @@ def test_llm_file_rewritten_for_tensorrt_pairs_every_layer(tiny):
     # the same rewrite serves the diagnostic build, which takes exactly one layer
     with pytest.raises(PnMixError, match="expected 1 PnMixAttention per PnMixAppend node, found 2 and 2"):
         trt.prepare_onnx(model, layers=1)
+
+
+def test_the_flattened_branches_compute_what_the_if_computes(tiny, tmp_path):
+    """TensorRT's rewrite turns each layer's If into both branches and a Where: the same logits
+    after a prefill and after decode steps (run here with the function bodies)."""
+    from pnmix.backends.tensorrt.engine import flatten_pnmix_branches
+
+    model = onnx.load(str(tiny["onnx"]))
+    flat = flatten_pnmix_branches(list(model.graph.node))
+    assert not [n for n in flat if n.op_type == "If"]
+    assert len([n for n in flat if n.op_type == ops.ATTENTION_OP]) == 2
+    del model.graph.node[:]
+    model.graph.node.extend(flat)
+    onnx.save(model, str(tmp_path / "flat.onnx"))
+    sessions = [LlmSession(path, ops="functions") for path in (tiny["onnx"], tmp_path / "flat.onnx")]
+    for ids in (list(range(3, 40)), [7], [9], [11]):
+        original, flattened = (s.step(ids) for s in sessions)
+        np.testing.assert_array_equal(original, flattened)
 
 
 @pytest.mark.skipif(__import__("importlib").util.find_spec("tensorrt") is not None, reason="TensorRT is installed")

@@ -5,12 +5,15 @@ piece is a one-line PnMixError (exit 2). What can be checked without them (the f
 the ONNX model and its rewrite for TensorRT's parser) is checked first, so those errors show on any
 machine.
 
-Two rewrites make the exported file TensorRT's (``prepare_onnx``):
+Three rewrites make the exported file TensorRT's (``prepare_onnx``):
 
 * The local functions of ``PnMixAttention`` and ``PnMixAppend`` are dropped. TensorRT's ONNX parser
   prefers a node's local function over a plugin of the same name, and the functions are there for
   ONNX Runtime; without them the parser maps each node to our plugin (op type = plugin name,
   ``plugin_version`` / ``plugin_namespace`` attributes, the config attributes as plugin fields).
+* An LLM file's layers choose their attention with an If (the prompt's own fp32 attention at
+  seq_len 0, PnMixAttention otherwise); each such If becomes both branches' nodes and a Where
+  over their outputs, so the plugin node is in the main graph where the next rewrite pairs it.
 * ``PnMixAppend`` gets the attention output as a 16th input. The append updates the state in
   place (the runtime binds ``present_<name>`` to the address of ``<name>``), so it must run after
   the attention that reads the old state; nothing else in the graph orders the two. The plugin
@@ -149,7 +152,7 @@ def prepare_onnx(model, layers: Optional[int] = None):
     kept = [f for f in prepared.functions if f.domain != ops.DOMAIN]
     del prepared.functions[:]
     prepared.functions.extend(kept)
-    nodes = list(prepared.graph.node)
+    nodes = flatten_pnmix_branches(list(prepared.graph.node))
     attention_of = {n.input[1]: n for n in nodes if n.domain == ops.DOMAIN and n.op_type == ops.ATTENTION_OP}
     appends = [n for n in nodes if n.domain == ops.DOMAIN and n.op_type == ops.APPEND_OP]
     if not appends or len(appends) != len(attention_of) or layers not in (None, len(appends)):
@@ -169,6 +172,32 @@ def prepare_onnx(model, layers: Optional[int] = None):
     del prepared.graph.node[:]
     prepared.graph.node.extend(nodes)
     return prepared
+
+
+def flatten_pnmix_branches(nodes: List[Any]) -> List[Any]:
+    """The node list with every If whose branches hold a pn-mix node replaced by the nodes of both
+    branches and ``Where(cond, then, else)`` (the same values: both branches are pure). TensorRT
+    then runs both, as the file's nodes did before it had the If: at decode the prompt branch is
+    one token's attention. Branch values keep their names (ONNX names are unique across scopes)."""
+    from onnx import helper
+
+    from ...export import ops
+
+    flat: List[Any] = []
+    for node in nodes:
+        branches = {a.name: a.g for a in node.attribute if a.HasField("g")}
+        holds_op = any(n.domain == ops.DOMAIN for g in branches.values() for n in ops.walk_nodes(g))
+        if node.op_type != "If" or not holds_op:
+            flat.append(node)
+            continue
+        then_branch, else_branch = branches["then_branch"], branches["else_branch"]
+        if len(then_branch.output) != 1 or len(else_branch.output) != 1 or len(node.output) != 1:
+            raise PnMixError(f"If node {node.name or node.output[0]} around a pn-mix node must have one output")
+        flat.extend(flatten_pnmix_branches(list(then_branch.node)))
+        flat.extend(flatten_pnmix_branches(list(else_branch.node)))
+        flat.append(helper.make_node("Where", [node.input[0], then_branch.output[0].name, else_branch.output[0].name],
+                                     list(node.output), name=f"{node.name}_where"))
+    return flat
 
 
 # ---------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ def to_trt_plugins(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of the model whose pn-mix nodes (and functions) are in domain trt.plugins."""
     out = copy.deepcopy(model)
     renamed = 0
-    for node in out.graph.node:
+    for node in ops.walk_nodes(out.graph):
         if node.domain == ops.DOMAIN:
             node.domain = TRT_DOMAIN
             renamed += 1
