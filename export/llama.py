@@ -189,6 +189,11 @@ class Dims(ModelDims):
         if self.sliding_window and max_seq_len > self.sliding_window:
             raise PnMixError(f"--max-seq-len {max_seq_len} is beyond the model's sliding window "
                              f"({self.sliding_window}): pn-mix keeps every token, full causal attention only")
+        from pnmix.memory import check_fits
+
+        # the RoPE tables, cos and sin [max_seq_len, head_dim] fp32, built in blocks then joined (twice)
+        check_fits(4 * max_seq_len * self.head_dim * 4, f"--max-seq-len {max_seq_len} (the RoPE tables)",
+                   "lower --max-seq-len")
 
 
 class PnMixDecoder(nn.Module):
