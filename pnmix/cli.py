@@ -438,6 +438,9 @@ def eval_model(
     plot: Optional[Path] = typer.Option(None, help="Draw the figures into this PNG (needs matplotlib)."),
 ) -> int:
     """KV-cache methods (pn-mix, KIVI, uniform, quanto) on a real model vs full precision: KL, perplexity, passkey."""
+    from .io import check_distinct_outputs
+
+    check_distinct_outputs(json=json_path, plot=plot)  # one file for both: the PNG would replace the JSON
     from .hf.evaluate.command import eval_command
 
     return eval_command(model=model, methods=methods, config=config, task=task, contexts=contexts,
