@@ -28,7 +28,9 @@ from .errors import PnMixError, one_line
 # The most bytes each kind of input may have: far above any real file, far below what would
 # exhaust a machine's memory when read whole.
 JSON_LIMIT = 64 << 20  # config, manifest, engine description
-TEXT_LIMIT = 256 << 20  # hf-eval --text
+# Text that goes to a tokenizer (a prompt, a --prompt-file, an eval or verify --text): 16 MiB,
+# about 4 million tokens, far beyond any context; a 100 MB text aborts the Rust tokenizer (SIGABRT).
+TEXT_LIMIT = 16 << 20
 MODEL_LIMIT = 2 << 30  # an ONNX model: protobuf's 2 GiB (larger weights go to external data)
 PLAN_LIMIT = 16 << 30  # a TensorRT engine
 DUMP_LIMIT = 1 << 40  # a .pnkv dump (its reader checks the sizes it describes)
@@ -113,6 +115,19 @@ def read_text(path: str | Path, what: str, limit: int = TEXT_LIMIT) -> str:
         raise PnMixError(f"cannot read {what} file {path} as UTF-8: {exc}") from None
 
 
+def check_text(text: str, what: str, limit: int = TEXT_LIMIT) -> str:
+    """Text given as a value (a --prompt) held to what read_text holds a file to: UTF-8 (a command
+    line's undecodable bytes arrive as lone surrogates, which a tokenizer cannot take) and at most
+    ``limit`` bytes."""
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise PnMixError(f"{what} is not UTF-8 text: {exc.reason} at character {exc.start}") from None
+    if size > limit:
+        raise PnMixError(f"{what} has {size} bytes, more than the limit of {limit} bytes")
+    return text
+
+
 def read_json(path: str | Path, what: str, limit: int = JSON_LIMIT) -> Any:
     """A JSON file read through read_input and parsed by parse_json."""
     return parse_json(read_text(path, what, limit), f"{what} file {path}")
@@ -165,11 +180,14 @@ def _depth(value: Any) -> int:
 
 
 def check_output_path(path: str | Path) -> Path:
-    """Fail early (before a long run) when an output could not be written; returns its folder."""
+    """Fail early (before a long run) when an output could not be written; returns its folder.
+    The folder must exist and take a new file (a read-only folder or file system is found now,
+    by creating and removing a temporary file, not after minutes of work)."""
     path = Path(path)
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
         raise PnMixError(f"output folder does not exist: {folder}")
+    _check_writable(folder)
     most = _name_max(folder)
     if len(os.fsencode(path.name)) > most:
         raise PnMixError(f"output name is {len(os.fsencode(path.name))} bytes, the folder's limit is {most}: {path}")
@@ -182,6 +200,34 @@ def check_output_path(path: str | Path) -> Path:
     if not stat.S_ISREG(info.st_mode):  # a device or a FIFO must not be replaced by a file
         raise PnMixError(f"output path is not a regular file: {path}")
     return folder
+
+
+def _check_writable(folder: Path) -> None:
+    """A file can be created in folder (where the atomic write stages its output)."""
+    name = folder / f".pnmix-write-check.{secrets.token_hex(6)}.tmp"
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+    except OSError as exc:
+        raise PnMixError(f"cannot write to output folder {folder}: {exc.strerror}") from None
+    os.close(fd)
+    try:
+        os.unlink(name)
+    except OSError:
+        pass
+
+
+def check_distinct_outputs(**outputs: str | Path | None) -> None:
+    """Two outputs of one command (``--json X --plot X``) must not be one file: the second write
+    would replace the first. Keyword: the option's name (underscores for dashes)."""
+    seen: dict = {}
+    for option, path in outputs.items():
+        if path is None:
+            continue
+        key = os.path.realpath(path)
+        if key in seen:
+            raise PnMixError(f"--{seen[key]} and --{option.replace('_', '-')} name the same file {path}: "
+                             "give each output its own path")
+        seen[key] = option.replace("_", "-")
 
 
 class Terminated(BaseException):
