@@ -160,6 +160,41 @@ def test_seq_len_past_the_capacity_is_one_line(library):
     assert "exceeds the state's capacity" in msg
 
 
+def test_a_runtime_too_old_gets_one_status_line_not_a_crash(library):
+    """RegisterCustomOps against a runtime that offers only API 1 (a stand-in OrtApiBase, whose
+    table holds CreateStatus alone): the library asks for its minimum, gets NULL, and returns one
+    ORT_FAIL status naming both versions, without touching any other slot."""
+    import ctypes
+
+    made = []
+    create_status_type = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p)
+    create_status = create_status_type(lambda code, text: made.append((code, text.decode())) or 0x5EED)
+    table = (ctypes.c_void_p * 1)(ctypes.cast(create_status, ctypes.c_void_p).value)
+    asked = []
+
+    def get_api(version):
+        asked.append(version)
+        return ctypes.addressof(table) if version == 1 else None
+
+    version = ctypes.create_string_buffer(b"1.10.0")
+    get_api_type = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_uint32)
+    version_type = ctypes.CFUNCTYPE(ctypes.c_void_p)
+
+    class ApiBase(ctypes.Structure):
+        _fields_ = [("GetApi", get_api_type), ("GetVersionString", version_type)]
+
+    base = ApiBase(get_api_type(get_api), version_type(lambda: ctypes.addressof(version)))
+    register = ctypes.CDLL(library).RegisterCustomOps
+    register.restype = ctypes.c_void_p
+    register.argtypes = [ctypes.c_void_p, ctypes.POINTER(ApiBase)]
+    assert register(None, ctypes.byref(base)) == 0x5EED
+    assert asked[0] > 1 and asked[-1] == 1
+    ORT_FAIL = 1
+    assert len(made) == 1 and made[0][0] == ORT_FAIL
+    assert made[0][1].startswith(f"libpnmix_ort needs ONNX Runtime API {asked[0]} (")
+    assert made[0][1].endswith("or newer, this runtime is 1.10.0")
+
+
 def test_threads_come_from_the_session_config(library):
     k, v = kv(30, 7)
     q, _ = kv(30, 8, heads=4)
