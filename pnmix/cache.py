@@ -158,6 +158,16 @@ class CacheOps(ABC):
 
     name: str = "?"
 
+    def init_args(self) -> tuple:
+        """The arguments that make these ops again (the constructor's)."""
+        return ()
+
+    def __reduce__(self):
+        # A copy or a save of a cache (copy.deepcopy, pickle, torch.save) carries its ops as what
+        # makes them, not as their state: the native ones hold ctypes library handles, which
+        # cannot be pickled, and a copy binds the same library again.
+        return (type(self), self.init_args())
+
     @abstractmethod
     def append(self, layout: CacheLayout, state: State, seq_len: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append fp16 K/V [B, H, n, D] in place (mask on the first append, flush when full)."""

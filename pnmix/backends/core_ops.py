@@ -77,6 +77,9 @@ class CoreOps(CacheOps):
         self.lib = core_library()
         self.threads = int(threads or 0)
 
+    def init_args(self) -> tuple:
+        return (self.threads,)
+
     def append(self, layout, state, seq_len, k, v):
         check_new_kv(layout, k, v)
         k, v = _fp16(k, "keys"), _fp16(v, "values")

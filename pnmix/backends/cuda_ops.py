@@ -151,6 +151,9 @@ class CudaOps(CacheOps):
         self.device = torch.device(device)
         self.lib = cuda_library()
 
+    def init_args(self) -> tuple:
+        return (str(self.device),)
+
     def append(self, layout: CacheLayout, state: State, seq_len: int, k: torch.Tensor, v: torch.Tensor) -> None:
         check_new_kv(layout, k, v)
         device = _device_of(state)

@@ -92,6 +92,9 @@ class TritonOps(CacheOps):
     def __init__(self, device: torch.device | str = "cuda"):
         self.device = check_device(device)
 
+    def init_args(self) -> tuple:
+        return (str(self.device),)
+
     def append(self, layout, state, seq_len, k, v):
         append_triton(layout, state, seq_len, k, v)
 
