@@ -31,7 +31,7 @@ from typing import Callable, Dict, List
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-TARGETS = ("dump", "config", "manifest", "onnx", "json", "sidecar", "state")
+TARGETS = ("dump", "config", "manifest", "onnx", "json", "sidecar", "state", "cache_api")
 
 
 # ---------------------------------------------------------------------------------------
@@ -157,6 +157,53 @@ class Targets:
         target.import_state(source.export_state(), source.seq_len)  # back to the seed for the next case
         return "ok"
 
+    def cache_api(self, data: bytes) -> str:
+        """data: a program of PnMixCache calls on a tiny config (cache_api_calls decodes it): any
+        exception other than PnMixError is a finding, and so is a refused call that changed the
+        cache (its layers, lengths, batch, capacity or state bytes)."""
+        from pnmix.hf.cache import PnMixCache
+
+        reader = ByteReader(data)
+        cache = PnMixCache(config=cache_api_config(), backend="torch",
+                           max_cache_len=reader.choice((None, 64, 200)))
+        outcome = "refused"
+        for name, call in cache_api_calls(reader, cache):
+            before = cache_snapshot(cache)
+            try:
+                call()
+            except self.PnMixError as exc:
+                if cache_snapshot(cache) != before:
+                    raise AssertionError(f"a refused {name} changed the cache: {exc}") from None
+                self._refused(exc)
+                continue
+            except Exception as exc:  # a finding: name the call that raised it
+                raise AssertionError(f"{name} raised {type(exc).__name__}: {exc}") from exc
+            outcome = "ok"  # at least one call accepted
+        return outcome
+
+    def gguf(self, data: bytes) -> str:
+        """data: a GGUF file, read as `pnmix eval/export MODEL.gguf` reads it before any weight
+        (gguf_architecture, then load_model_config: the family, the shapes within the limits,
+        finite numbers, no unsupported feature). A warning (numpy's, torch's) is a finding too:
+        the commands print one line."""
+        import warnings
+
+        from pnmix.hf.models import ModelSource, gguf_architecture, load_model_config
+
+        path = self.folder / "model.gguf"
+        path.write_bytes(data)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                gguf_architecture(path)
+                load_model_config(ModelSource(str(path), self.folder, path.name))
+                outcome = "ok"
+            except self.PnMixError as exc:
+                outcome = self._refused(exc)
+        if caught:
+            raise AssertionError(f"reading a GGUF header warned: {caught[0].category.__name__}: {caught[0].message}")
+        return outcome
+
     @staticmethod
     def _refused(exc: Exception) -> str:
         if "\n" in str(exc) or not str(exc):
@@ -192,6 +239,142 @@ def _state_caches():
             caches.append(cache)
         _STATE_CACHES.extend(caches)
     return _STATE_CACHES[0], _STATE_CACHES[1]
+
+
+class ByteReader:
+    """Choices drawn from the fuzzer's bytes, in order; past the end every choice is the first."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data, self.at = data, 0
+
+    def byte(self) -> int:
+        value = self.data[self.at] if self.at < len(self.data) else 0
+        self.at += 1
+        return value
+
+    def choice(self, options):
+        return options[self.byte() % len(options)]
+
+    @property
+    def done(self) -> bool:
+        return self.at >= len(self.data)
+
+
+def cache_api_config():
+    from pnmix.config import PnMixConfig
+
+    return PnMixConfig(group_size=8, residual_size=16, sink_tokens=4, high_ratio=0.25, pair_layout="half")
+
+
+CACHE_API_OPS = ("update", "update", "update", "reorder_cache", "batch_select_indices", "batch_repeat_interleave",
+                 "get_seq_length", "crop")
+CACHE_API_MAX_CALLS = 12
+
+
+def cache_api_calls(reader: ByteReader, cache):
+    """(name, zero-argument call) pairs decoded from reader: updates of random shapes, dtypes and
+    values (finite, NaN, Inf, huge, expanded), and the batch calls with every kind of index."""
+    import torch
+
+    def batch() -> int:
+        layers = cache.pnmix_layers
+        current = layers[0].packed.layout.batch if layers and layers[0].packed is not None else 1
+        return reader.choice((current, current, current, 1, 2, 3, 0))
+
+    for _ in range(CACHE_API_MAX_CALLS):
+        if reader.done:
+            return
+        op = reader.choice(CACHE_API_OPS)
+        if op == "update":
+            made = len(cache.layers)
+            layer = reader.choice((made, made, 0, made - 1, -1, 2, 10**6, True, 0.0))
+            shape = [batch(), reader.choice((2, 2, 1, 3)), reader.choice((1, 1, 5, 17, 40, 0, 3)),
+                     reader.choice((8, 8, 8, 16, 7))]
+            dtype = reader.choice((torch.float16, torch.float32, torch.bfloat16, torch.float64, torch.int32,
+                                   torch.bool, torch.complex64))
+            values = reader.choice(("randn", "randn", "big", "nan", "inf", "zeros", "expand", "3-D"))
+            seed = reader.byte()
+            yield f"update(layer_idx={layer!r}, {shape}, {dtype}, {values})", \
+                _update(cache, layer, shape, dtype, values, seed)
+        elif op in ("reorder_cache", "batch_select_indices"):
+            size = batch() or 1
+            kind = reader.choice(("tensor", "tensor", "list", "tuple", "negative", "out of range", "float",
+                                  "2-D", "bool", "empty", "int32", "scalar", "list of floats"))
+            rows = [reader.byte() % size for _ in range(reader.choice((size, size, 1, 2, 4)))]
+            index = _indices(kind, rows, size)
+            yield f"{op}({kind} {rows})", (lambda op=op, index=index: getattr(cache, op)(index))
+        elif op == "batch_repeat_interleave":
+            repeats = reader.choice((1, 2, 3, 0, -1, 1.5, True, 2**40, "2"))
+            yield f"batch_repeat_interleave({repeats!r})", (lambda repeats=repeats: cache.batch_repeat_interleave(repeats))
+        elif op == "get_seq_length":
+            layer = reader.choice((0, 1, 5, -1, 1.5, True, "0"))
+            yield f"get_seq_length({layer!r})", (lambda layer=layer: cache.get_seq_length(layer))
+        else:
+            tokens = reader.choice((1, 0, -1, 5))
+            yield f"crop({tokens})", (lambda tokens=tokens: cache.crop(tokens))
+
+
+def _indices(kind: str, rows: list, size: int):
+    """Batch indices of one kind (valid ones, and each way of being wrong) made from rows."""
+    import torch
+
+    if kind in ("list", "tuple"):
+        return rows if kind == "list" else tuple(rows)
+    if kind == "list of floats":
+        return [float(r) for r in rows]
+    made = {"negative": ([-1] + rows, torch.int64), "out of range": (rows + [size], torch.int64),
+            "float": (rows, torch.float32), "2-D": ([rows], torch.int64), "bool": ([True] * len(rows), torch.bool),
+            "empty": ([], torch.int64), "int32": (rows, torch.int32), "scalar": (rows[0], torch.int64)}
+    values, dtype = made.get(kind, (rows, torch.int64))
+    return torch.tensor(values, dtype=dtype)
+
+
+def _update(cache, layer, shape, dtype, values, seed):
+    """The update call, its K/V made now (outside the call: only the cache's own errors count)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    if values == "3-D":
+        k = torch.randn(shape[0], shape[1], shape[2], generator=g)
+    else:
+        k = torch.randn(*shape, generator=g) if values != "expand" else torch.randn(
+            shape[0], shape[1], 1, shape[3], generator=g)
+    if values == "big":
+        k = k * 1e6
+    elif values == "zeros":
+        k = torch.zeros_like(k)
+    elif values in ("nan", "inf") and k.numel():
+        k.view(-1)[seed % k.numel()] = float(values)
+    k = k.to(dtype) if dtype != torch.complex64 else torch.complex(k, k)
+    if values == "expand":  # no memory of its own: 10^8 tokens must be refused by the capacity first
+        tokens = 10**8 if cache.max_cache_len is not None else 2000  # a growing cache takes them: keep it fast
+        k = k.expand(shape[0], shape[1], tokens, shape[3])
+    v = k if values == "expand" else k.clone()
+
+    def call() -> None:
+        cache.update(k, v, layer)
+        if seed % 3 == 0 and cache.get_seq_length() != cache.pnmix_layers[0].get_seq_length():
+            raise AssertionError("get_seq_length disagrees with layer 0")
+
+    return call
+
+
+def cache_snapshot(cache):
+    """What a refused call must leave as it was: per layer the tokens, batch, capacity and state bytes."""
+    import torch
+
+    layers = []
+    for layer in cache.pnmix_layers:
+        packed = layer.packed
+        if packed is None:
+            layers.append(None)
+            continue
+        state = hashlib.sha1()
+        for name in sorted(packed.state):
+            state.update(packed.state[name].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        layers.append((packed.seq_len, packed.layout.batch, packed.layout.max_seq_len, layer.pending is not None,
+                       state.hexdigest()))
+    return layers
 
 
 # ---------------------------------------------------------------------------------------
@@ -239,6 +422,20 @@ def seeds(target: str) -> List[bytes]:
         raw = b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() if t.element_size() == 1 else
                        t.contiguous().view(torch.int16).numpy().tobytes() for t in source.export_state().values())
         return [source.seq_len.to_bytes(2, "little") + raw, (0).to_bytes(2, "little") + raw]
+    if target == "cache_api":  # programs of calls: a prefill then decodes, and random ones
+        prefill = bytes([0, 0, 0, 0, 0, 4, 0, 0, 0, 7]) + bytes([0, 0, 0, 0, 0, 0, 0, 0, 1]) * 3
+        batch = bytes([1, 0, 0, 1, 0, 3, 0, 0, 0, 9, 3, 0, 0, 0, 0, 0, 5, 0, 1, 4, 0, 0, 1, 2])
+        return [prefill, batch] + [random.Random(n).randbytes(80) for n in range(6)]
+    if target == "gguf":  # tiny Llama-family files made with gguf's GGUFWriter (pnmix.testing)
+        from pnmix.testing import make_tiny_gguf
+
+        out = []
+        with tempfile.TemporaryDirectory() as folder:
+            variants = ({"layers": 1}, {"layers": 2, "architecture": "qwen2"}, {"layers": 1, "header": {"block_count": 3}})
+            for number, changes in enumerate(variants):
+                path = Path(folder) / f"m{number}.gguf"
+                out.append(make_tiny_gguf(path, **changes, hidden=8, heads=2, kv_heads=1, ffn=16, vocab=16).read_bytes())
+        return out
     if target == "onnx":
         from pnmix.export.exporter import export_onnx
 
