@@ -13,6 +13,16 @@ class PnMixError(Exception):
         super().__init__(" ".join(str(message).split()))
 
 
+# The Cache API's callers (transformers' generate, beam search) catch the built-in types; these
+# are PnMixErrors (one line, exit 2 in the CLI) that are also what such a caller expects.
+class PnMixIndexError(PnMixError, IndexError):
+    """An index out of range (a batch row that is not there, a negative one)."""
+
+
+class PnMixValueError(PnMixError, ValueError):
+    """A value of the wrong kind or range (a float index, a 2-D index, repeats 0)."""
+
+
 def one_line(what: object, limit: int = 1000) -> str:
     """Any message (or exception) folded onto one line; an exception with no text reads as its
     type's name. A message longer than `limit` characters loses its middle, not its end: the

@@ -13,8 +13,10 @@ from .export.llm_file import check_tokenizer, read_llm_info
 
 
 def read_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> str:
+    from .io import check_text
+
     if prompt is not None and prompt_file is None:
-        return prompt
+        return check_text(prompt, "--prompt")
     if prompt_file is not None and prompt is None:
         from .io import read_text
 
@@ -28,7 +30,10 @@ def generate_command(model: Path, tokenizer: str, prompt: Optional[str], prompt_
     from .hf.models import load_tokenizer, resolve_model
     from .io import JsonReport
 
+    from .machine import check_threads
+
     report_file = JsonReport(json_path)
+    check_threads(threads)
     if max_new_tokens < 1:
         raise PnMixError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     text = read_prompt(prompt, prompt_file)

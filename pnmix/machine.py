@@ -67,3 +67,18 @@ def resolve_device(device: str, allow_auto: bool = False) -> str:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise PnMixError("--device cuda asked for, but torch sees no CUDA device")
     return device
+
+
+# --threads, wherever it is an option (generate, bench decode, bench generate): more is a typo
+# (ONNX Runtime segfaults spawning 100,000 threads after half a minute; the core's and torch's
+# thread counts are C ints).
+MAX_THREADS = 1024
+
+
+def check_threads(threads: Optional[int]) -> Optional[int]:
+    """A --threads value checked: None (the runtime's own choice) or an integer 1..MAX_THREADS."""
+    if threads is None:
+        return None
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS:
+        raise PnMixError(f"--threads must be 1..{MAX_THREADS}, got {threads!r}")
+    return threads

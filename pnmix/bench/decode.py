@@ -62,7 +62,7 @@ from pnmix import defaults
 from pnmix.config import MAX_BATCH, MAX_HEAD_DIM, MAX_KV_HEADS, MAX_SEQ_LEN, PnMixConfig, run_config
 from pnmix.errors import PnMixError, describe
 from pnmix.format import STATE_DTYPES, CacheLayout
-from pnmix.machine import describe_machine, resolve_device
+from pnmix.machine import check_threads, describe_machine, resolve_device
 from pnmix.bench.ort_peers import DENSE as ORT_DENSE
 from pnmix.bench.ort_peers import MODES as ORT_MODES
 from pnmix.bench.report import optional_text, print_table, run_report, skipped_notes
@@ -201,7 +201,6 @@ def time_step(fn: Callable[[], torch.Tensor], device: str, repeats: int) -> tupl
 # ---------------------------------------------------------------------------------------
 
 
-MAX_THREADS = 1024  # more is a typo; the core's and torch's thread counts are C ints
 MAX_Q_HEADS = 1 << 16
 MAX_REPEATS = 1_000_000
 MAX_ROUNDS = 100
@@ -213,8 +212,7 @@ def _check_args(context, batch, q_heads, kv_heads, head_dim, threads, repeats, c
     limits = [("context", context, MAX_SEQ_LEN), ("batch", batch, MAX_BATCH), ("q-heads", q_heads, MAX_Q_HEADS),
               ("kv-heads", kv_heads, MAX_KV_HEADS), ("head-dim", head_dim, MAX_HEAD_DIM),
               ("repeats", repeats, MAX_REPEATS), ("rounds", rounds, MAX_ROUNDS)]
-    if threads is not None:
-        limits.append(("threads", threads, MAX_THREADS))
+    check_threads(threads)
     for name, value, most in limits:
         if not 1 <= value <= most:
             raise PnMixError(f"--{name} must be 1..{most}, got {value}")

@@ -18,7 +18,7 @@ from pnmix.bench.report import print_table, run_report, skipped_notes
 from pnmix.bench.timing import Stopwatch, time_once
 from pnmix.errors import PnMixError
 from pnmix.hf._deps import quanto_unavailable_reason
-from pnmix.machine import describe_machine
+from pnmix.machine import check_threads, describe_machine
 
 
 def random_llama(layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, seed: int = 0):
@@ -138,6 +138,27 @@ def time_decodes(runs: List[DecodeRun], new_tokens: int) -> None:
             run.step(min(ROUND_TOKENS, new_tokens - done))
 
 
+def check_bench_size(model, longest: int, new_tokens: int, caches: tuple) -> None:
+    """Before anything is allocated: a model with attention layers, a longest context within the
+    model's positions (decoding may run past them; a prompt may not), and memory for the prefill's
+    K/V plus one filled cache of each kind and its per-step copy (dense, at the model's precision)."""
+    from pnmix.hf.models import ModelDims
+    from pnmix.memory import check_fits, human
+
+    dims = ModelDims.from_config(model.config)
+    if dims.layers < 1:
+        raise PnMixError(f"the model has {dims.layers} layers (num_hidden_layers): nothing to cache")
+    if dims.max_positions and longest > dims.max_positions:
+        raise PnMixError(f"--contexts {longest} is beyond the model's {dims.max_positions} positions "
+                         "(max_position_embeddings)")
+    element = next(model.parameters()).element_size()
+    dense = dims.kv_bytes(longest + new_tokens + 1, element)
+    # the prefill's K/V, then per context one filled cache of each kind at once (DynamicCache's
+    # own copy, QuantizedCache's dequantized one), the prefill's logits over the vocabulary
+    need = dense * (1 + 2 * len(caches)) + (longest + 1) * int(model.config.vocab_size) * 4
+    check_fits(need, f"--contexts {longest} ({human(dense)} of K/V per cache)", "give shorter --contexts")
+
+
 def run_generate_bench(model, contexts: List[int], new_tokens: int = 64, caches: tuple = GENERATE_CACHES,
                        seed: int = 0) -> Dict[str, Any]:
     """The benchmark as data: {"results": [{"cache", "context", "tokens_per_s", "cache_bytes",
@@ -153,6 +174,7 @@ def run_generate_bench(model, contexts: List[int], new_tokens: int = 64, caches:
     from pnmix.hf.models import max_positions
 
     limit = max_positions(model.config)
+    check_bench_size(model, longest, new_tokens, caches)
     past_trained = bool(limit) and longest + new_tokens + 1 > limit
     vocab = int(model.config.vocab_size)
     ids = torch.randint(1, vocab, (1, longest + 1), generator=torch.Generator().manual_seed(seed))
@@ -221,9 +243,7 @@ def generate_command(model: str, contexts: str, new_tokens: int, threads: Option
 
     def run() -> Dict[str, Any]:
         wanted = parse_contexts(contexts)
-        if threads is not None:
-            if not 1 <= threads <= 1024:
-                raise PnMixError(f"--threads must be 1..1024, got {threads}")
+        if check_threads(threads) is not None:
             torch.set_num_threads(threads)
         source = resolve_model(model)
         lm = load_causal_lm(source, "fp32", model_config=load_model_config(source))

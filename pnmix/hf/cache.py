@@ -28,8 +28,8 @@ from typing import Any, List, Optional, cast
 import torch
 
 from ..cache import CacheOps, PackedKVCache, check_kv_tensors, check_new_kv, check_room, fp16_kv
-from ..config import PnMixConfig
-from ..errors import PnMixError
+from ..config import MAX_BATCH, MAX_SEQ_LEN, PnMixConfig
+from ..errors import PnMixError, PnMixIndexError, PnMixValueError
 from ._deps import require_transformers
 from .models import resolve_config
 
@@ -37,6 +37,49 @@ require_transformers()
 from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: E402
 
 GROWTH_HEADROOM = 256
+
+
+def batch_rows(indices: Any, batch: Optional[int], what: str) -> torch.Tensor:
+    """The batch rows that reorder_cache / batch_select_indices name, as a 1-D int64 tensor, or a
+    one-line error naming the argument: a 1-D integer tensor or a list/tuple of ints (not bools,
+    not floats), not empty, each in 0..batch-1 (a negative row is not counted from the end: a
+    beam index is never negative). ``batch``: the cache's batch, None before the first update."""
+    if isinstance(indices, (list, tuple)):
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in indices):
+            bad = next(i for i in indices if not isinstance(i, int) or isinstance(i, bool))
+            raise PnMixValueError(f"{what}: indices must be integers, got {bad!r} ({type(bad).__name__})")
+        rows = torch.tensor(list(indices), dtype=torch.int64)
+    elif isinstance(indices, torch.Tensor):
+        if indices.dtype == torch.bool or indices.is_floating_point() or indices.is_complex():
+            raise PnMixValueError(f"{what}: indices must be an integer tensor, got dtype {indices.dtype}")
+        if indices.dim() != 1:
+            raise PnMixValueError(f"{what}: indices must be 1-D (one per batch row), got shape {list(indices.shape)}")
+        rows = indices.detach().to(device="cpu", dtype=torch.int64)
+    else:
+        raise PnMixValueError(f"{what}: indices must be a 1-D integer tensor or a list of ints, "
+                              f"got {type(indices).__name__}")
+    if rows.numel() == 0:
+        raise PnMixValueError(f"{what}: indices name no batch row (an empty batch)")
+    if rows.numel() > MAX_BATCH:
+        raise PnMixValueError(f"{what}: {rows.numel()} indices, more than the batch limit {MAX_BATCH}")
+    if batch is not None:
+        low, high = int(rows.min()), int(rows.max())
+        if low < 0 or high >= batch:
+            raise PnMixIndexError(f"{what}: index {low if low < 0 else high} is out of range for the "
+                                  f"cache's batch of {batch} (rows 0..{batch - 1})")
+    return rows
+
+
+def check_repeats(repeats: Any, batch: Optional[int]) -> int:
+    """batch_repeat_interleave's count: an int >= 1 whose new batch stays within the limits."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int):
+        raise PnMixValueError(f"batch_repeat_interleave: repeats must be a positive integer, got {repeats!r}")
+    if repeats < 1:
+        raise PnMixValueError(f"batch_repeat_interleave: repeats must be >= 1, got {repeats}")
+    if repeats * (batch or 1) > MAX_BATCH:
+        raise PnMixValueError(f"batch_repeat_interleave: {repeats} repeats of a batch of {batch or 1} pass the "
+                              f"batch limit {MAX_BATCH}")
+    return repeats
 
 
 def choose_ops(device: torch.device, backend: Optional[str] = None):
@@ -116,6 +159,7 @@ class PnMixLayer(CacheLayerMixin):
         else:
             check_kv_tensors(key_states, value_states)
         seq_before = self.packed.seq_len if self.packed is not None else 0
+        self._check_size(key_states, seq_before)  # before the fp16 copies: an expand()ed tensor costs nothing yet
         k16, v16 = fp16_kv(key_states, value_states, key_states.device, seq_before)
         self._check_positions(kwargs.get("kwargs"), seq_before)
         if not self.is_initialized:
@@ -185,16 +229,37 @@ class PnMixLayer(CacheLayerMixin):
     def prefetch(self):
         raise PnMixError("PnMixCache does not support offloading")
 
-    # Beam search and batch expansion: rebuild the packed state with the chosen rows.
+    # Beam search and batch expansion: rebuild the packed state with the chosen rows (checked
+    # first: a refused call changes nothing; the new state is built before it replaces the old).
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._select_rows(beam_idx)
+        self._install(self.selected(beam_idx, "reorder_cache"))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.packed is not None:
-            self._select_rows(torch.arange(self.packed.layout.batch).repeat_interleave(repeats))
+        self._install(self.repeated(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._select_rows(indices)
+        self._install(self.selected(indices, "batch_select_indices"))
+
+    def selected(self, indices: Any, what: str) -> Optional[PackedKVCache]:
+        """The packed cache holding the rows `indices` names (None: no tokens yet), the layer unchanged."""
+        rows = batch_rows(indices, self.packed.layout.batch if self.packed is not None else None, what)
+        if self.packed is None:
+            return None
+        return self.packed.resized(self.packed.layout.max_seq_len, rows.to(self.device))
+
+    def repeated(self, repeats: Any) -> Optional[PackedKVCache]:
+        batch = self.packed.layout.batch if self.packed is not None else None
+        repeats = check_repeats(repeats, batch)
+        if self.packed is None:
+            return None
+        rows = torch.arange(self.packed.layout.batch).repeat_interleave(repeats)
+        return self.packed.resized(self.packed.layout.max_seq_len, rows.to(self.device))
+
+    def _install(self, packed: Optional[PackedKVCache]) -> None:
+        if packed is not None:
+            self.packed = packed
+            self.batch_size = packed.layout.batch
+            self.flushed = []  # kept for the old rows: crop after a batch change stays within the residual
 
     # ---- bytes ---------------------------------------------------------------------------
     # The same two as PnMixCache's: persistent_bytes an int, bytes_by_part the split.
@@ -216,6 +281,18 @@ class PnMixLayer(CacheLayerMixin):
         group = self.config.group_size
         return max(group, math.ceil(tokens / group) * group)
 
+    def _check_size(self, key_states: torch.Tensor, seq_before: int) -> None:
+        """n new tokens must fit max_cache_len (or the layout's limit), and their fp16 copies memory."""
+        n = key_states.shape[2]
+        if self.max_cache_len is not None:
+            check_room(seq_before, n, self.max_cache_len, " of PnMixCache", limit="max_cache_len")
+        else:
+            check_room(seq_before, n, MAX_SEQ_LEN, " of PnMixCache", limit="the layout's limit")
+        from ..memory import check_fits
+
+        check_fits(2 * key_states.numel() * 2, f"the fp16 copies of {n} new K/V tokens of layer {self.layer_idx}",
+                   "update with fewer tokens", str(key_states.device))
+
     def _reserve(self, n: int) -> None:
         """Make room for n more tokens: grow (double) the group slots, or refuse past max_cache_len."""
         packed = self.packed_cache()
@@ -226,13 +303,6 @@ class PnMixLayer(CacheLayerMixin):
             check_room(packed.seq_len, n, self.max_cache_len, " of PnMixCache", limit="max_cache_len")
         capacity = self._rounded(max(need, 2 * packed.layout.max_seq_len))
         self.packed = packed.resized(capacity)
-
-    def _select_rows(self, rows: torch.Tensor) -> None:
-        if self.packed is None:
-            return
-        rows = rows.to(self.device)
-        self.packed = self.packed.resized(self.packed.layout.max_seq_len, rows)
-        self.batch_size = int(rows.numel())
 
     def _check_positions(self, forward_kwargs: Any, seq_len: int) -> None:
         """Refuse left-padded batches and inputs that do not continue the cached sequence."""
@@ -288,6 +358,30 @@ class PnMixCache(Cache):
         if layer_idx == made:
             self.layers.append(layer)
         return out
+
+    # Beam search and batch expansion: every layer's new state is built (and the arguments checked)
+    # before any layer takes it, so a refused call, or one that runs out of memory, changes nothing.
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._install([layer.selected(beam_idx, "reorder_cache") for layer in self._rows_layers()])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._install([layer.selected(indices, "batch_select_indices") for layer in self._rows_layers()])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._install([layer.repeated(repeats) for layer in self._rows_layers()])
+
+    def _rows_layers(self) -> List[PnMixLayer]:
+        """The layers a batch change rebuilds; with none yet, a dummy that checks the arguments only."""
+        return self.pnmix_layers or [PnMixLayer(self.config, 0, self.max_cache_len, self.backend)]
+
+    def _install(self, states: List[Optional[PackedKVCache]]) -> None:
+        for layer, packed in zip(self.pnmix_layers, states):
+            layer._install(packed)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0:
+            raise PnMixValueError(f"get_seq_length: layer_idx must be an integer >= 0, got {layer_idx!r}")
+        return super().get_seq_length(layer_idx)
 
     @property
     def pnmix_layers(self) -> List[PnMixLayer]:
