@@ -34,7 +34,9 @@ from pnmix.hf.models import ModelDims
 from . import torch_ops
 from .tracing import state_name
 
-# Rope types whose cos/sin do not depend on the sequence length (the table is built once).
+# Rope types whose cos/sin do not depend on the sequence length (the table is built once from the
+# model's own rotary module: yarn's and llama3's scaling included); longrope only up to its
+# original_max_position_embeddings (Dims.rope_positions). "dynamic" changes with the length: refused.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 ROPE_TABLE_BLOCK = 256  # positions per rotary-module call (keeps each call single-threaded)
 
@@ -155,30 +157,35 @@ class DecoderLayer(nn.Module):
 @dataclass(frozen=True)
 class Dims(ModelDims):
     """ModelDims plus what the decoder needs of a supported config (one-line errors for what is
-    not supported)."""
+    not supported: pnmix.hf.models.check_model_config, then the decoder's own limits)."""
 
     model_type: str
     hidden: int
     vocab: int
     eps: float
     sliding_window: Optional[int]
+    rope_positions: Optional[int]  # longrope: the table is one model's only up to its original length
 
     @classmethod
     def from_config(cls, model_config: Any) -> "Dims":
-        from pnmix.hf.models import check_architecture
+        from pnmix.hf.models import check_model_config, rope_parameters, sliding_window
 
-        model_type = check_architecture(getattr(model_config, "model_type", None), "the model")
+        model_type = check_model_config(model_config, "the model")
         kind = rope_type(model_config)
         if kind not in STATIC_ROPE_TYPES:
             raise PnMixError(f"rope type '{kind}' depends on the sequence length; the exporter supports "
                              f"{', '.join(STATIC_ROPE_TYPES)}")
         if getattr(model_config, "hidden_act", "silu") != "silu":
             raise PnMixError(f"hidden_act '{model_config.hidden_act}' is not the Llama family's silu")
-        window = getattr(model_config, "sliding_window", None) if getattr(model_config, "use_sliding_window", True) \
-            else None
+        rope_positions = None
+        if kind == "longrope":  # transformers switches to the long factors once a sequence passes it
+            rope_positions = int(rope_parameters(model_config).get("original_max_position_embeddings")
+                                 or getattr(model_config, "original_max_position_embeddings", 0) or 0) or None
+        window = sliding_window(model_config)
         return cls(**dataclasses.asdict(ModelDims.from_config(model_config)), model_type=model_type,
                    hidden=int(model_config.hidden_size), vocab=int(model_config.vocab_size),
-                   eps=float(model_config.rms_norm_eps), sliding_window=int(window) if window else None)
+                   eps=float(model_config.rms_norm_eps), sliding_window=int(window) if window else None,
+                   rope_positions=rope_positions)
 
     def check_capacity(self, max_seq_len: int) -> None:
         if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
@@ -189,6 +196,11 @@ class Dims(ModelDims):
         if self.sliding_window and max_seq_len > self.sliding_window:
             raise PnMixError(f"--max-seq-len {max_seq_len} is beyond the model's sliding window "
                              f"({self.sliding_window}): pn-mix keeps every token, full causal attention only")
+        if self.rope_positions and max_seq_len > self.rope_positions:
+            raise PnMixError(f"--max-seq-len {max_seq_len} is beyond the model's longrope "
+                             f"original_max_position_embeddings ({self.rope_positions}): past it transformers "
+                             "rotates every position with the long factors, a function of the sequence length "
+                             "that one table cannot hold")
         from pnmix.memory import check_fits
 
         # the RoPE tables, cos and sin [max_seq_len, head_dim] fp32, built in blocks then joined (twice)
@@ -217,6 +229,10 @@ class PnMixDecoder(nn.Module):
         # Tied embeddings stay one tensor (one initializer in the file).
         self.lm_head = self.embed if head is inner.embed_tokens.weight else nn.Parameter(head.detach(), requires_grad=False)
         cos, sin = rope_table(hf_model, max_seq_len)
+        for name, table in (("cos", cos), ("sin", sin)):
+            if not bool(torch.isfinite(table).all()):
+                raise PnMixError(f"the model's RoPE {name} table holds non-finite values (rope_theta, "
+                                 "rope scaling or the rotary module's inv_freq)")
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 

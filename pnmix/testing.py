@@ -105,6 +105,48 @@ def make_tiny_model(folder: Path, model_type: str = "llama", layers: int = 2, se
     return folder
 
 
+def make_tiny_gguf(path: Path, layers: int = 2, seed: int = 0, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
+                   ffn: int = 128, vocab: int = 128, architecture: str = "llama", header: dict | None = None,
+                   rename: dict | None = None, poison: str | None = None) -> Path:
+    """Write a random Llama-family GGUF file (fp32 tensors, no tokenizer) of ``layers`` blocks:
+    the model transformers builds from it has every weight. ``header``: llama.* fields to write
+    instead (``{"block_count": 3}``, ``{"embedding_length": 0}``); ``rename``: tensor names to
+    write under another name; ``poison``: a tensor whose first value is NaN. Returns path."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    fields = {"context_length": 256, "block_count": layers, "feed_forward_length": ffn, "embedding_length": hidden,
+              "rope.dimension_count": hidden // heads, "attention.head_count": heads,
+              "attention.head_count_kv": kv_heads, "vocab_size": vocab}
+    fields.update(header or {})
+    head_dim = hidden // heads
+    shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,), "output.weight": (vocab, hidden)}
+    for i in range(layers):
+        shapes.update({f"blk.{i}.attn_norm.weight": (hidden,), f"blk.{i}.attn_q.weight": (heads * head_dim, hidden),
+                       f"blk.{i}.attn_k.weight": (kv_heads * head_dim, hidden),
+                       f"blk.{i}.attn_v.weight": (kv_heads * head_dim, hidden),
+                       f"blk.{i}.attn_output.weight": (hidden, heads * head_dim), f"blk.{i}.ffn_norm.weight": (hidden,),
+                       f"blk.{i}.ffn_gate.weight": (ffn, hidden), f"blk.{i}.ffn_up.weight": (ffn, hidden),
+                       f"blk.{i}.ffn_down.weight": (hidden, ffn)})
+    rng = np.random.default_rng(seed)
+    writer = GGUFWriter(str(path), architecture)
+    writer.add_string("general.name", "pnmix-tiny")
+    for key, value in fields.items():
+        writer.add_uint32(f"{architecture}.{key}", value)
+    writer.add_float32(f"{architecture}.rope.freq_base", 10000.0)
+    writer.add_float32(f"{architecture}.attention.layer_norm_rms_epsilon", 1e-5)
+    for name, shape in shapes.items():
+        tensor = (np.ones(shape) if len(shape) == 1 else rng.normal(0.0, 0.15, shape)).astype(np.float32)
+        if name == poison:
+            tensor.reshape(-1)[0] = np.nan
+        writer.add_tensor((rename or {}).get(name, name), tensor)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 class PluginField(ctypes.Structure):
     """pnmix_field (plugin_fields.h) == nvinfer1::PluginField: how the tests hand libpnmix_fields
     a TensorRT plugin's fields (the config itself is pnmix.backends.native.CConfig)."""

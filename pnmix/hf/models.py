@@ -15,13 +15,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import math
+import numbers
 import os
-from pathlib import Path
-from typing import Any, Optional
+from pathlib import Path, PurePosixPath
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 from ..config import PnMixConfig
-from ..errors import PnMixError, describe
-from ..io import check_input_file
+from ..errors import PnMixError, describe, one_line
+from ..io import check_input_file, read_json
 from ._deps import require_transformers
 
 # The Llama family: RMSNorm, rotate_half RoPE, grouped-query attention, gated MLP. The exporter,
@@ -96,6 +98,8 @@ def resolve_model(spec: str | Path) -> ModelSource:
         for entry in sorted(path.iterdir()):  # transformers opens them: a FIFO would hang it
             if not entry.is_dir():
                 check_input_file(entry, "model")
+            if entry.name.endswith(".index.json"):
+                check_weight_index(path, entry)
         return ModelSource(text, path)
     if path.is_file():
         check_input_file(path, "model")
@@ -107,6 +111,24 @@ def resolve_model(spec: str | Path) -> ModelSource:
         raise PnMixError(f"MODEL {path} is neither a folder nor a regular file")
     raise PnMixError(f"model not found: {text} (a Hugging Face folder, a .gguf file, or one of "
                      f"{', '.join(PACKAGED_MODELS)}; models are never downloaded)")
+
+
+def check_weight_index(folder: Path, index: Path) -> None:
+    """A sharded checkpoint's index (``model.safetensors.index.json``) names its shard files; every
+    name must be a file inside the model folder: transformers would open ``../other.safetensors``
+    or an absolute path as given. Links inside the folder are followed (a Hugging Face cache's
+    snapshot folder links its files to blobs elsewhere); names are judged as written."""
+    data = read_json(index, "weight index")
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict):
+        raise PnMixError(f"weight index {index} has no weight_map object")
+    for tensor, name in weight_map.items():
+        if not isinstance(name, str) or not name:
+            raise PnMixError(f"weight index {index}: {tensor!r} maps to {name!r}, not a file name")
+        parts = PurePosixPath(name.replace("\\", "/")).parts
+        if name.startswith(("/", "\\")) or (len(name) > 1 and name[1] == ":") or ".." in parts:
+            raise PnMixError(f"weight index {index}: {tensor!r} is in {name!r}, outside the model folder")
+        check_input_file(folder / name, "weight shard")
 
 
 def gguf_architecture(path: Path) -> str:
@@ -126,6 +148,151 @@ def check_architecture(model_type: Optional[str], where: str) -> str:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise PnMixError(f"{where} is a {model_type or 'model of unknown type'!s} model; pnmix supports "
                          f"the Llama family: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    return model_type
+
+
+# The largest shapes pnmix accepts: far above any released model (Llama 3.1 405B: 126 layers,
+# hidden 16384, intermediate 53248; vocabularies up to 262144), far below what would take minutes
+# to build or terabytes to hold. A config beyond them is refused before anything is allocated.
+MODEL_LIMITS: Dict[str, int] = {
+    "num_hidden_layers": 1024, "hidden_size": 1 << 16, "intermediate_size": 1 << 20,
+    "num_attention_heads": 1024, "num_key_value_heads": 1024, "head_dim": 1024, "vocab_size": 1 << 22,
+    "max_position_embeddings": 1 << 26,
+}
+REQUIRED_DIMS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
+
+# Config fields that change what a model computes and that neither transformers' Llama-family code
+# (the eval reference) nor the pn-mix decoder applies: a config that sets one describes another model.
+UNHONOURED_FIELDS: Dict[str, str] = {
+    "final_logit_softcapping": "logit soft-capping",
+    "attn_logit_softcapping": "attention-score soft-capping",
+    "query_pre_attn_scalar": "a query scale other than 1/sqrt(head_dim)",
+    "attention_multiplier": "an attention multiplier",
+    "embedding_multiplier": "an embedding multiplier",
+    "residual_multiplier": "a residual multiplier",
+    "logits_scaling": "logit scaling",
+    "attention_chunk_size": "chunked attention",
+}
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_model_dims(model_config: Any, where: str) -> None:
+    """Every shape field a positive integer within MODEL_LIMITS, and the heads consistent."""
+    for name, limit in MODEL_LIMITS.items():
+        value: Any = getattr(model_config, name, None)
+        if value is None and name not in REQUIRED_DIMS:
+            continue
+        if name == "max_position_embeddings" and value == 0:
+            continue  # 0: the config does not say
+        if not _integer(value) or not 1 <= value <= limit:
+            raise PnMixError(f"{where}: {name} must be an integer in 1..{limit}, got {value!r}")
+    q_heads = model_config.num_attention_heads
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or q_heads
+    if q_heads % kv_heads:
+        raise PnMixError(f"{where}: num_attention_heads {q_heads} is not a multiple of num_key_value_heads {kv_heads}")
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // q_heads
+    if head_dim < 2 or head_dim % 2:
+        raise PnMixError(f"{where}: head_dim {head_dim} is not an even number of channels (RoPE rotates pairs)")
+
+
+def _numbers(value: Any, path: str) -> Iterator[Tuple[str, Any]]:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _numbers(item, f"{path}.{key}")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _numbers(item, f"{path}[{i}]")
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        yield path, value
+
+
+def rope_parameters(model_config: Any) -> Dict[str, Any]:
+    params = getattr(model_config, "rope_parameters", None) or getattr(model_config, "rope_scaling", None) or {}
+    return dict(params) if isinstance(params, dict) else {}
+
+
+def check_model_numbers(model_config: Any, where: str) -> None:
+    """rms_norm_eps finite and >= 0, every RoPE parameter finite, rope_theta and factor positive:
+    a NaN or infinite one makes every output NaN (a NaN RoPE table, a NaN norm)."""
+    eps = getattr(model_config, "rms_norm_eps", None)
+    if not isinstance(eps, numbers.Real) or isinstance(eps, bool) or not math.isfinite(eps) or eps < 0:
+        raise PnMixError(f"{where}: rms_norm_eps must be a finite number >= 0, got {eps!r}")
+    params = rope_parameters(model_config)
+    if "rope_theta" not in params and hasattr(model_config, "rope_theta"):
+        params["rope_theta"] = model_config.rope_theta
+    for path, value in _numbers(params, "rope_parameters"):
+        if not math.isfinite(value):
+            raise PnMixError(f"{where}: {path} must be a finite number, got {value!r}")
+    for name in ("rope_theta", "factor"):
+        value = params.get(name)
+        if value is not None and (not isinstance(value, numbers.Real) or isinstance(value, bool) or value <= 0):
+            raise PnMixError(f"{where}: rope_parameters.{name} must be a positive number, got {value!r}")
+
+
+def check_model_features(model_config: Any, where: str) -> None:
+    """Refuse what the eval reference or the pn-mix decoder would not compute as the config says."""
+    for name, feature in UNHONOURED_FIELDS.items():
+        value = getattr(model_config, name, None)
+        if value is not None and value is not False:
+            raise PnMixError(f"{where} sets {name} ({value!r}): {feature} is not part of the Llama family "
+                             "that pnmix runs (neither transformers' model nor pn-mix's decoder applies it)")
+    partial = rope_parameters(model_config).get("partial_rotary_factor",
+                                                 getattr(model_config, "partial_rotary_factor", None))
+    if partial is not None and partial != 1:
+        raise PnMixError(f"{where} sets partial_rotary_factor ({partial!r}): pnmix rotates every channel")
+    layer_types = getattr(model_config, "layer_types", None)
+    if layer_types is not None:
+        unknown = [t for t in layer_types if t not in LAYER_TYPES]
+        if unknown:
+            raise PnMixError(f"{where}: layer type {unknown[0]!r} is not one of {', '.join(LAYER_TYPES)}")
+        if len(layer_types) != model_config.num_hidden_layers:
+            raise PnMixError(f"{where}: layer_types lists {len(layer_types)} layers, num_hidden_layers is "
+                             f"{model_config.num_hidden_layers}")
+    window = sliding_window(model_config)
+    if window is not None and (not _integer(window) or window < 1):
+        raise PnMixError(f"{where}: sliding_window must be a positive integer or null, got {window!r}")
+
+
+def sliding_window(model_config: Any) -> Optional[int]:
+    """The window of a model whose attention (or whose transformers cache) slides, else None.
+
+    transformers windows a layer when: Mistral's attention and mask read ``sliding_window`` itself;
+    Qwen2/Qwen3 read ``layer_types`` (``use_sliding_window`` false leaves no window); and the
+    reference's DynamicCache(config=...) keeps only the last ``sliding_window`` tokens of a layer
+    whose type is sliding, or, without ``layer_types``, of every layer when the field is set, on
+    any model (a Llama config with the field gets a windowed reference cache). Within the window,
+    sliding attention is full causal attention: pn-mix, which keeps every token, computes the same;
+    past it, it would not. Callers refuse lengths beyond the window (check_full_attention)."""
+    window = getattr(model_config, "sliding_window", None)
+    if window is None:
+        return None
+    layer_types = getattr(model_config, "layer_types", None)
+    if layer_types is None or "sliding_attention" in layer_types or getattr(model_config, "model_type", "") == "mistral":
+        return window
+    return None
+
+
+def check_full_attention(model_config: Any, tokens: int, what: str) -> None:
+    """``what`` (a length option) of ``tokens`` must be within the model's sliding window."""
+    window = sliding_window(model_config)
+    if window is not None and tokens > window:
+        raise PnMixError(f"{what} ({tokens} tokens) is beyond the model's sliding_window ({window}): past it "
+                         "the model drops old tokens, pn-mix keeps every token (full causal attention only)")
+
+
+def check_model_config(model_config: Any, where: str) -> str:
+    """Everything pnmix requires of a model config, in one place (eval, export, generate, verify
+    and the benchmarks load through load_model_config; export/llama.Dims adds what the decoder
+    needs): the family, the shapes within MODEL_LIMITS, finite numbers, no feature that would be
+    silently ignored. Returns the model type."""
+    model_type = check_architecture(getattr(model_config, "model_type", None), where)
+    check_model_dims(model_config, where)
+    check_model_numbers(model_config, where)
+    check_model_features(model_config, where)
     return model_type
 
 
@@ -162,7 +329,7 @@ def load_model_config(source: ModelSource) -> Any:
         config = AutoConfig.from_pretrained(str(source.folder), **source.pretrained_kwargs())
     except Exception as exc:
         raise PnMixError(f"cannot read the model config of {source.spec}: {describe(exc)}") from None
-    check_architecture(getattr(config, "model_type", None), source.spec)
+    check_model_config(config, source.spec)
     return config
 
 
@@ -184,14 +351,97 @@ def load_causal_lm(source: ModelSource, dtype: str = "fp32", model_config: Any =
         raise PnMixError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if model_config is None:
         model_config = load_model_config(source)
+    check_model_config(model_config, source.spec)  # a config from elsewhere gets every check too
+    check_weights_fit(model_config, dtype, source.spec)
     from transformers import AutoModelForCausalLM
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(source.folder), config=model_config,
-                                                     dtype=DTYPES[dtype], **source.pretrained_kwargs())
+        loaded: Any = AutoModelForCausalLM.from_pretrained(
+            str(source.folder), config=model_config, dtype=DTYPES[dtype], output_loading_info=True,
+            ignore_mismatched_sizes=True,  # reported in the loading info (named below), not a long raise
+            **source.pretrained_kwargs())
+        model, info = loaded
     except Exception as exc:
         raise PnMixError(f"cannot load a causal LM from {source.spec}: {describe(exc)}") from None
+    check_loading_info(info, model_config, source.spec)
+    check_weights_finite(model, source.spec)
     return model.eval()
+
+
+def parameter_count(model_config: Any) -> int:
+    """The parameters of a Llama-family model of this config (embeddings, every layer's
+    projections and norms, the head unless tied), counted from the shapes."""
+    dims = ModelDims.from_config(model_config)
+    hidden, vocab = int(model_config.hidden_size), int(model_config.vocab_size)
+    inner = int(getattr(model_config, "intermediate_size", None) or 4 * hidden)
+    attention = hidden * dims.head_dim * 2 * (dims.q_heads + dims.kv_heads)
+    per_layer = attention + 3 * hidden * inner + 2 * hidden
+    heads = 1 if getattr(model_config, "tie_word_embeddings", False) else 2
+    return heads * vocab * hidden + dims.layers * per_layer + hidden
+
+
+def check_weights_fit(model_config: Any, dtype: str, where: str) -> None:
+    """The weights' bytes against the memory available, before transformers allocates them."""
+    from ..memory import check_fits
+
+    count = parameter_count(model_config)
+    element = 4 if dtype == "fp32" else 2
+    check_fits(count * element, f"loading {where} ({count:,} parameters in {dtype})", "use a smaller model")
+
+
+def _first(keys: Any, limit: int = 3) -> str:
+    names = sorted(str(k) for k in keys)
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def check_loading_info(info: Dict[str, Any], model_config: Any, where: str) -> None:
+    """Refuse a load that left a parameter as transformers' random init (a weight missing from the
+    checkpoint, or one of another shape) or that dropped checkpoint weights (a config that claims
+    fewer layers than the file has). A head tied to the embeddings is not missing: transformers
+    ties it and does not report it."""
+    missing = set(info.get("missing_keys") or ())
+    mismatched = list(info.get("mismatched_keys") or ())
+    unexpected = set(info.get("unexpected_keys") or ())
+    errors = list(info.get("error_msgs") or ())
+    layers = getattr(model_config, "num_hidden_layers", "?")
+    if missing:
+        raise PnMixError(f"{where} lacks weights its config needs ({layers} layers): {_first(missing)}; "
+                         "pnmix will not fill them with random values")
+    if mismatched:
+        name, found, wanted = (tuple(mismatched[0]) + (None, None))[:3]
+        raise PnMixError(f"{where}: weight {name} has shape {list(found or [])}, the config needs "
+                         f"{list(wanted or [])} ({len(mismatched)} such weights)")
+    if unexpected:
+        raise PnMixError(f"{where} holds weights its config ({layers} layers) has no place for: "
+                         f"{_first(unexpected)}")
+    if errors:
+        raise PnMixError(f"{where}: loading the weights failed: {one_line(errors[0])}")
+
+
+# Weights beyond fp16's range: finite in fp32, infinite once exported in fp16 or once K/V are
+# cast to fp16; no trained model's weights come near it.
+WEIGHT_LIMIT = 65504.0
+
+
+def check_weights_finite(model: Any, where: str) -> None:
+    """Every floating-point parameter and buffer (the RoPE frequencies included) finite and within
+    ±65504: a NaN or infinite weight gives NaN outputs that would be reported as scores."""
+    import itertools
+
+    import torch
+
+    with torch.no_grad():
+        for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
+            if not tensor.is_floating_point() or tensor.numel() == 0 or tensor.device.type == "meta":
+                continue
+            low, high = (float(v) for v in torch.aminmax(tensor.detach()))  # one pass, NaN propagates
+            largest = max(-low, high)
+            if not (math.isfinite(low) and math.isfinite(high)):
+                raise PnMixError(f"{where}: tensor {name} holds non-finite values (NaN or Inf)")
+            if largest > WEIGHT_LIMIT:
+                raise PnMixError(f"{where}: tensor {name} holds values up to {largest:.3g}, beyond ±65504 "
+                                 "(fp16's range; no trained model's weights are that large)")
 
 
 def max_positions(model_config: Any) -> int:

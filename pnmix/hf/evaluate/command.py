@@ -3,6 +3,8 @@ tasks and writes the report."""
 
 from __future__ import annotations
 
+import json
+import math
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -45,8 +47,12 @@ def parse_tasks(text: str) -> List[str]:
 
 def check_positions(model_config: Any, source_name: str, contexts: Sequence[int], decode_tokens: int,
                     lengths: Sequence[int]) -> None:
-    from ..models import max_positions
+    from ..models import check_full_attention, max_positions
 
+    for context in contexts:
+        check_full_attention(model_config, context + decode_tokens, f"--contexts {context} + --decode-tokens {decode_tokens}")
+    for length in lengths:
+        check_full_attention(model_config, length, f"--lengths {length}")
     limit = max_positions(model_config)
     if not limit:
         return
@@ -76,7 +82,7 @@ def eval_command(model: Optional[str], methods: Optional[str], config: Optional[
         raise PnMixError(f"--decode-tokens must be at least 1, got {decode_tokens}")
     if trials < 1:
         raise PnMixError(f"--trials must be at least 1, got {trials}")
-    report_file = JsonReport(json_path)  # both outputs checked before the (long) run, not after it
+    JsonReport(json_path)  # both outputs checked before the (long) run, not after it
     if plot is not None:
         check_output_path(plot)
         require_matplotlib()
@@ -109,11 +115,24 @@ def eval_command(model: Optional[str], methods: Optional[str], config: Optional[
             results += kl_task(lm, method_list, id_tensor, context, decode_tokens, progress)
     passkey = passkey_task(lm, method_list, tokens, ids, length_list, depth_list, trials, seed, progress)
     report = {"model": source.name, "results": results, "passkey": passkey}
+    check_finite(report, source.name)
     print_tables(report)
-    report_file.write(report)
+    if json_path is not None:  # JSON has no NaN/Infinity: refuse one rather than write it bare
+        write_bytes_atomic(json_path, (json.dumps(report, indent=2, allow_nan=False) + "\n").encode())
     if plot is not None:
         write_bytes_atomic(plot, render_plot(report))
     return 0
+
+
+def check_finite(report: Dict[str, Any], model: str) -> None:
+    """Every number of the report finite: a NaN or infinite KL, perplexity or accuracy is not a
+    score (the model's outputs were not finite numbers)."""
+    for section in ("results", "passkey"):
+        for row in report[section]:
+            for field, value in row.items():
+                if isinstance(value, float) and not math.isfinite(value):
+                    raise PnMixError(f"eval of {model}: method {row['method']} gave a non-finite {field} "
+                                     f"({value}); the model's outputs are not finite numbers")
 
 
 def _progress() -> Callable[[str], None]:

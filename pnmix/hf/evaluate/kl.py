@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from ...errors import PnMixError
 from ..models import ModelDims
 from .kv_bytes import cache_bytes
 from .methods import Method, attention_for, reuse_dequantized, seeded_cache
@@ -64,6 +65,11 @@ def kl_task(model, methods: List[Method], ids: torch.Tensor, context: int, decod
         run = teacher_forced(model, method, prefill, fed)
         reference = reference or run
         figures = score(run, reference, targets)
+        for field in ("kl", "perplexity", "top1"):
+            if not math.isfinite(figures[field]):
+                raise PnMixError(f"eval of {getattr(model, 'name_or_path', '') or 'the model'}: method {method.name} at "
+                                 f"context {context} gave a non-finite {field} ({figures[field]}); the model's "
+                                 "outputs are not finite numbers")
         rows.append({"task": "kl", "context": context, "decode_tokens": decode_tokens, "method": method.name,
                      "kl": figures["kl"], "perplexity": figures["perplexity"],
                      "ppl_delta": figures["perplexity"] - (rows[0]["perplexity"] if rows else figures["perplexity"]),

@@ -37,7 +37,16 @@ def run_prefill(model, ids: torch.Tensor, start: Optional[Prefill] = None) -> Pr
     # logits_to_keep=1: the last position's logits only (all of them are 8192 x 49152 fp32 = 1.6 GB
     # for SmolLM2 at 8K).
     out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-    return Prefill(_layer_kv(cache), out.logits[0, -1].float())
+    return Prefill(_layer_kv(cache), finite_logits(model, out.logits[0, -1].float(), "the prefill"))
+
+
+def finite_logits(model, logits: torch.Tensor, where: str) -> torch.Tensor:
+    """NaN logits are no distribution: every score made from them would be NaN, or an argmax of
+    NaN (a passkey answer) would be scored as a wrong answer."""
+    if bool(torch.isnan(logits).any()):
+        name = getattr(model, "name_or_path", "") or "the model"
+        raise PnMixError(f"{name}: {where} gave NaN logits; the model's weights or config are not finite numbers")
+    return logits
 
 
 def _layer_kv(cache) -> List[Tuple[torch.Tensor, torch.Tensor]]:
@@ -83,4 +92,4 @@ def decode_step(model, cache, token: int) -> torch.Tensor:
     """One forward call of one token; the next-token log-probabilities [vocab]."""
     ids = torch.tensor([[token]], dtype=torch.long, device=model.device)
     logits = model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1]
-    return torch.log_softmax(logits.float(), dim=-1)
+    return torch.log_softmax(finite_logits(model, logits.float(), "a decode step"), dim=-1)
