@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Fuzz the Python side of pnmix: the .pnkv dump decoder, config and manifest parsing, the ONNX
-model reader, the JSON parser every reader uses, the TensorRT engine description, and
+model reader, a GGUF model's header, the JSON parser every reader uses, the TensorRT engine description, and
 PackedKVCache.import_state. Any exception other than PnMixError is a finding; so is a dump that
 loads but does not re-dump to the same bytes, a refused import that changed the cache, and an
 accepted import whose dump load_state refuses.
@@ -31,7 +31,7 @@ from typing import Callable, Dict, List
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-TARGETS = ("dump", "config", "manifest", "onnx", "json", "sidecar", "state", "cache_api")
+TARGETS = ("dump", "config", "manifest", "onnx", "json", "sidecar", "state", "cache_api", "gguf")
 
 
 # ---------------------------------------------------------------------------------------
@@ -481,6 +481,8 @@ def mutate(rng: random.Random, data: bytes, corpus: List[bytes], target: str) ->
             blob = blob[: rng.randrange(len(blob) + 1)] + other[cut:]
         elif kind == 6 and target == "dump" and len(blob) >= 64:  # an interesting header integer
             struct.pack_into("<I", blob, rng.choice(HEADER_U32_OFFSETS), rng.choice(INTERESTING_U32))
+        elif kind == 6 and target == "gguf" and len(blob) >= 8:  # a count, length, type or field value
+            struct.pack_into("<I", blob, rng.randrange(min(len(blob), 1024) - 3), rng.choice(INTERESTING_U32))
         elif kind == 7 and target in JSON_TARGETS:  # replace a JSON value
             text = bytes(blob)
             colons = [i for i, c in enumerate(text) if c == ord(":")]
