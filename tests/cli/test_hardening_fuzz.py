@@ -10,11 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import fuzz_python as fuzz  # noqa: E402  (tools/ is not a package)
 
-RUNS = {"dump": 400, "config": 400, "manifest": 200, "onnx": 120, "json": 400, "sidecar": 200, "state": 300, "gguf": 200}
+RUNS = {"dump": 400, "config": 400, "manifest": 200, "onnx": 120, "json": 400, "sidecar": 200, "state": 300, "cache_api": 150}
 
 
 @pytest.mark.parametrize("target", [pytest.param(target, marks=pytest.mark.slow) if target == "onnx" else target
@@ -52,3 +53,13 @@ def test_the_state_target_finds_an_import_that_skips_the_mask_check(tmp_path, mo
     monkeypatch.setattr(format_module, "check_state_values", lambda *args: None)
     result = fuzz.run_loop("state", 300, 60.0, seed=3, crash_dir=tmp_path, log=lambda _: None)
     assert any("load_state refuses" in f for f in result["findings"]), result
+
+
+def test_the_cache_api_target_finds_a_batch_call_without_its_index_check(tmp_path, monkeypatch):
+    """A planted gap: reorder_cache / batch_select_indices taking any index reach torch's raw
+    IndexError / RuntimeError, which the target reports."""
+    import pnmix.hf.cache as hf_cache
+
+    monkeypatch.setattr(hf_cache, "batch_rows", lambda indices, batch, what: torch.as_tensor(indices).long())
+    result = fuzz.run_loop("cache_api", 150, 60.0, seed=4, crash_dir=tmp_path, log=lambda _: None)
+    assert any("reorder_cache" in f or "batch_select_indices" in f for f in result["findings"]), result
