@@ -243,8 +243,9 @@ def generate_command(model: str, contexts: str, new_tokens: int, threads: Option
 
     def run() -> Dict[str, Any]:
         wanted = parse_contexts(contexts)
-        if check_threads(threads) is not None:
-            torch.set_num_threads(threads)
+        chosen = check_threads(threads)
+        if chosen is not None:
+            torch.set_num_threads(chosen)
         source = resolve_model(model)
         lm = load_causal_lm(source, "fp32", model_config=load_model_config(source))
         return {**run_generate_bench(lm, wanted, new_tokens), "model": source.name}
