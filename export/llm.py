@@ -17,6 +17,7 @@ was made from, so generate/verify can refuse a tokenizer that does not match.
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 import time
 from dataclasses import dataclass
@@ -27,8 +28,8 @@ from pnmix import defaults
 from pnmix.config import PnMixConfig, read_json_file
 from pnmix.errors import PnMixError, describe
 
-from .llm_file import LlmMetadata, tokenizer_fingerprint
-from .tracing import finish
+from .llm_file import LlmMetadata, data_digest, tokenizer_fingerprint
+from .tracing import META_PREFIX, finish
 
 EXPORT_OPSET = defaults.EXPORT_OPSET
 DTYPES = ("fp32", "fp16")
@@ -85,15 +86,22 @@ def trace(decoder) -> Any:
                         ["logits", *outputs], EXPORT_OPSET)
 
 
-def save_atomic(ir_model, path: Path) -> Path:
-    """model.onnx and model.onnx.data, staged in a temporary folder beside them and renamed (data
-    first): an error leaves no file and no half-written pair behind."""
+def save_atomic(ir_model, path: Path, check: bool = True) -> Path:
+    """model.onnx and model.onnx.data, staged in a temporary folder beside them, the digest of the
+    data recorded in the model's metadata (pnmix.data_sha256), the ONNX checker run on the staged
+    pair, then renamed (data first): an error leaves no file and no half-written pair behind, and
+    the old pair as it was. A file that existed keeps its permission bits (as pnmix.io's outputs)."""
     import onnx_ir as ir
 
     data_path = path.with_name(path.name + ".data")
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
         ir.save(ir_model, staging / path.name, external_data=data_path.name)
+        record_data_digest(staging / path.name, staging / data_path.name)
+        if check:
+            check_written(staging / path.name, path)
+        for staged, target in ((staging / data_path.name, data_path), (staging / path.name, path)):
+            keep_mode(staged, target)
         os.replace(staging / data_path.name, data_path)
         os.replace(staging / path.name, path)
     except OSError as exc:
@@ -105,6 +113,27 @@ def save_atomic(ir_model, path: Path) -> Path:
     return data_path
 
 
+def record_data_digest(model_path: Path, data_path: Path) -> None:
+    """Write the weights file's digest into the model's pnmix.data_sha256 (the graph only: the
+    weights stay where ir.save put them)."""
+    import onnx
+
+    proto = onnx.load(str(model_path), load_external_data=False)
+    key = META_PREFIX + "data_sha256"
+    entry = next(p for p in proto.metadata_props if p.key == key)
+    entry.value = data_digest(data_path)
+    onnx.save(proto, str(model_path))
+
+
+def keep_mode(staged: Path, target: Path) -> None:
+    """A replaced output keeps its permission bits; a new one has what the umask gives."""
+    try:
+        mode = stat.S_IMODE(os.stat(target).st_mode)
+    except FileNotFoundError:
+        return
+    os.chmod(staged, mode)
+
+
 def export_llm(model: str, output: Path, max_seq_len: int = defaults.EXPORT_MAX_SEQ_LEN,
                config_path: Optional[Path] = None, dtype: str = defaults.LLM_EXPORT_DTYPE,
                check: bool = True) -> LlmExportResult:
@@ -112,6 +141,7 @@ def export_llm(model: str, output: Path, max_seq_len: int = defaults.EXPORT_MAX_
     from pnmix.io import check_output_path
 
     check_output_path(output)
+    check_output_path(output.with_name(output.name + ".data"))  # a folder or a FIFO there: refused now, not after the export
     began = time.perf_counter()
     source = resolve_model(model)
     decoder, _, model_config = build_decoder(source, dtype, max_seq_len, config_path)
@@ -122,26 +152,24 @@ def export_llm(model: str, output: Path, max_seq_len: int = defaults.EXPORT_MAX_
     metadata = LlmMetadata(config=layout.config, max_seq_len=layout.max_seq_len, batch=layout.batch,
                            model=source.name, model_type=dims.model_type, layers=dims.layers, q_heads=dims.q_heads,
                            kv_heads=dims.kv_heads, head_dim=dims.head_dim, vocab_size=dims.vocab, dtype=dtype,
-                           tokenizer_sha256=tokenizer_fingerprint(tokenizer))
+                           tokenizer_sha256=tokenizer_fingerprint(tokenizer),
+                           data_sha256="0" * 64)  # the digest of the weights, once save_atomic has written them
     finish(ir_model, layout, dims.q_heads, EXPORT_OPSET, metadata.to_props())
-    data_path = save_atomic(ir_model, output)
-    if check:
-        check_written(output)
+    data_path = save_atomic(ir_model, output, check)
     return LlmExportResult(output, data_path, time.perf_counter() - began, output.stat().st_size,
                            data_path.stat().st_size, dims.layers, max_seq_len)
 
 
-def check_written(path: Path) -> None:
-    """The ONNX checker over the written file (path-based: weights stay on disk)."""
+def check_written(path: Path, output: Path) -> None:
+    """The ONNX checker over the staged file (path-based: weights stay on disk); output: the name
+    the file will have, for the error."""
     import onnx
 
     try:
         onnx.checker.check_model(str(path))
     except (onnx.checker.ValidationError, OSError) as exc:
-        for leftover in (path, path.with_name(path.name + ".data")):
-            leftover.unlink(missing_ok=True)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise PnMixError(f"exported model fails the ONNX checker: {first}") from None
+        raise PnMixError(f"exported model {output} fails the ONNX checker: {first}") from None
 
 
 def export_llm_command(model: str, output: Path, max_seq_len: int, config: Optional[Path], dtype: str) -> int:

@@ -100,6 +100,26 @@ def time_peer(folder: Path, ids: List[int], repeats: int) -> Dict[str, Any]:
     return _rates(len(ids), prefill, decode)
 
 
+def check_file_model(info, model: str, source, model_config, tokenizer) -> None:
+    """--onnx FILE must be an export of --model MODEL: the model its metadata names (the name the
+    export gave it, pnmix.hf.models.ModelSource.name, or a name that resolves to the same folder or
+    file here), and MODEL's shapes and tokenizer (llm_file.check_model)."""
+    from pnmix.export.llm_file import check_model
+    from pnmix.hf.models import resolve_model
+    from pnmix.verify.llm import model_facts
+
+    if info.model != source.name:
+        try:
+            named = resolve_model(info.model)
+            same = (named.folder.resolve(), named.gguf_file) == (source.folder.resolve(), source.gguf_file)
+        except (PnMixError, OSError):  # the file's model is not here under that name
+            same = False
+        if not same:
+            raise PnMixError(f"{info.path.name} was exported from {info.model}, not from --model {model}: "
+                             f"give the model it was exported from, or export {model}")
+    check_model(info, model, model_facts(model_config), tokenizer)
+
+
 def fp_kv_bytes(model_config, tokens: int, bytes_per: int) -> int:
     from pnmix.hf.models import ModelDims
 
@@ -141,6 +161,7 @@ def bench_llm(model: str, contexts=DEFAULT_CONTEXTS, repeats: int = defaults.BEN
     from pnmix.hf.models import load_model_config, load_tokenizer, resolve_model
 
     from pnmix.export.llm import export_llm
+    from pnmix.export.llm_file import read_llm_info
 
     source = resolve_model(model)
     model_config = load_model_config(source)
@@ -155,6 +176,8 @@ def bench_llm(model: str, contexts=DEFAULT_CONTEXTS, repeats: int = defaults.BEN
             result = export_llm(model, folder / "m.onnx", capacity)
             onnx_path = result.path
             report.update(export_seconds=result.seconds, file_bytes=result.file_bytes, data_bytes=result.data_bytes)
+        else:  # the file must be MODEL's: its peer, its KV bytes and its ids are MODEL's
+            check_file_model(read_llm_info(onnx_path), model, source, model_config, tokenizer)
         peer_folder = None
         if peer == "auto":
             peer_folder, report["peer_build_seconds"] = time_once(build_peer, model, folder)

@@ -46,7 +46,7 @@ def test_kv_bytes_are_k_and_v_of_every_layer_and_kv_head():
 def _metadata():
     return LlmMetadata(config=PnMixConfig.from_mapping(SMALL), max_seq_len=96, batch=1, model="tiny",
                        model_type="llama", layers=2, q_heads=4, kv_heads=2, head_dim=16, vocab_size=128,
-                       dtype="fp32", tokenizer_sha256="ab" * 32)
+                       dtype="fp32", tokenizer_sha256="ab" * 32, data_sha256="cd" * 32)
 
 
 def test_metadata_written_reads_back_equal():

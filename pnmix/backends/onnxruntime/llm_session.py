@@ -23,6 +23,7 @@ import numpy as np
 
 from pnmix.errors import PnMixError
 from pnmix.format import STATE_NAMES
+from pnmix.memory import check_fits
 
 from pnmix.export.torch_ops import graph_state_numpy_dtype
 from pnmix.export.llm_file import LlmFileInfo, read_llm_info
@@ -40,6 +41,8 @@ class LlmSession:
     def __init__(self, path: Path, threads: Optional[int] = None, info: Optional[LlmFileInfo] = None,
                  ops: Optional[str] = None):
         self.info = info or read_llm_info(path)
+        check_fits(3 * self.info.layers * self.info.layout.state_bytes, f"the packed state of {Path(path).name}",
+                   "export with a smaller --max-seq-len")  # ours, the feeds and the present outputs
         self.ops = resolve_ops(ops)  # native kernels (libpnmix_ort) or the function bodies
         providers = list(CPU_PROVIDERS) if self.ops == "native" else cuda_or_cpu()  # the library is CPU only
         self.session = open_session(path, session_options(threads, ops=self.ops), providers)

@@ -14,10 +14,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from pnmix.errors import PnMixError, one_line
 
-# ONNX Runtime's log severity: errors only (3). Its warnings are ANSI-coloured lines on stderr that
-# would break the CLI's one-line errors; the errors themselves come back as exceptions, which pnmix
-# turns into one PnMixError line.
-ORT_LOG_SEVERITY = 3
+# ONNX Runtime's log severity: fatal only (4). Its warnings and errors are ANSI-coloured lines on
+# stderr that would break the CLI's one-line errors (a session that cannot read its external data
+# logs the error, then raises it); the errors themselves come back as exceptions, which pnmix turns
+# into one PnMixError line.
+ORT_LOG_SEVERITY = 4
 CPU_PROVIDERS = ("CPUExecutionProvider",)
 
 Provider = Union[str, Tuple[str, Dict[str, Any]]]  # a name, or (name, provider options)
