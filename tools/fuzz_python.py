@@ -31,7 +31,7 @@ from typing import Callable, Dict, List
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-TARGETS = ("dump", "config", "manifest", "onnx", "json", "sidecar", "state", "cache_api", "gguf")
+TARGETS = ("dump", "config", "manifest", "onnx", "json", "sidecar", "state", "cache_api", "gguf", "llm_meta")
 
 
 # ---------------------------------------------------------------------------------------
@@ -203,6 +203,41 @@ class Targets:
         if caught:
             raise AssertionError(f"reading a GGUF header warned: {caught[0].category.__name__}: {caught[0].message}")
         return outcome
+
+    def llm_meta(self, data: bytes) -> str:
+        """data: an LLM file's pnmix.* metadata as a JSON object (a value that is not a string is
+        written as its JSON text), put on a small exported LLM file that read_llm_info reads. A
+        finding: any exception other than PnMixError, a message of more than one line, or an
+        accepted file whose metadata says something else of the graph than the export's."""
+        from pnmix.export.llm_file import read_llm_info
+
+        try:
+            fields = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            return "not json"
+        if not isinstance(fields, dict):
+            return "not json"
+        proto, truth, folder = _llm_seed(self.folder)
+        edited = type(proto)()
+        edited.CopyFrom(proto)
+        del edited.metadata_props[:]
+        try:
+            for key, value in fields.items():
+                edited.metadata_props.add(key=key, value=value if isinstance(value, str) else json.dumps(value))
+            blob = edited.SerializeToString()
+        except (ValueError, TypeError, UnicodeError, RecursionError):  # not a protobuf string (a lone surrogate)
+            return "not json"
+        path = folder / "m.onnx"
+        path.write_bytes(blob)
+        try:
+            info = read_llm_info(path)
+        except self.PnMixError as exc:
+            return self._refused(exc)
+        for name, value in _graph_facts(info).items():
+            if value != truth[name]:
+                raise AssertionError(f"read_llm_info accepted metadata whose {name} is {value!r}, the graph's "
+                                     f"{truth[name]!r}")
+        return "ok"
 
     @staticmethod
     def _refused(exc: Exception) -> str:
@@ -377,6 +412,70 @@ def cache_snapshot(cache):
     return layers
 
 
+_LLM_FILES: list = []  # the LLM file llm_meta edits (made on first use, or set by a test)
+_LLM_SEEDS: dict = {}
+
+
+def _llm_file() -> Path:
+    """A small LLM file (`pnmix export --model` of a tiny random 2-layer Llama), made once."""
+    if not _LLM_FILES:
+        import os
+
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from pnmix.export.llm import export_llm
+        from pnmix.testing import SMALL, make_tiny_model
+
+        root = Path(tempfile.mkdtemp(prefix="pnmix-fuzz-llm-"))
+        config = root / "config.json"
+        config.write_text(json.dumps(SMALL))
+        _LLM_FILES.append(export_llm(str(make_tiny_model(root / "llama")), root / "m.onnx", 64, config).path)
+    return Path(_LLM_FILES[0])
+
+
+def _graph_facts(info) -> dict:
+    """What an LLM file's metadata says of its graph and weights (all checked by read_llm_info)."""
+    from pnmix.export import ops
+
+    config = dict(info.config.to_dict(), high_ratio=ops.fp32_ratio(info.config))
+    return {"config": config, **{name: getattr(info, name) for name in (
+        "max_seq_len", "batch", "layers", "q_heads", "kv_heads", "head_dim", "vocab_size", "dtype", "data_sha256")}}
+
+
+def _llm_seed(folder: Path):
+    """(the file's graph without its metadata, its graph facts, a folder holding a copy of its
+    weights file), made once per file."""
+    import shutil
+
+    import onnx
+
+    from pnmix.export.llm_file import read_llm_info
+
+    path = _llm_file()
+    if path not in _LLM_SEEDS:
+        proto = onnx.load(str(path), load_external_data=False)
+        place = folder / f"llm{len(_LLM_SEEDS)}"
+        place.mkdir()
+        location = next(e.value for t in proto.graph.initializer for e in t.external_data if e.key == "location")
+        shutil.copyfile(path.with_name(location), place / location)
+        _LLM_SEEDS[path] = (proto, _graph_facts(read_llm_info(path)), place)
+    return _LLM_SEEDS[path]
+
+
+def llm_meta_seed() -> bytes:
+    """The metadata of the LLM file as the llm_meta target's JSON: numbers as numbers, the config
+    as an object."""
+    import onnx
+
+    proto = onnx.load(str(_llm_file()), load_external_data=False)
+    fields = {}
+    for prop in proto.metadata_props:
+        try:
+            fields[prop.key] = json.loads(prop.value) if prop.value[:1] in "{[0123456789" else prop.value
+        except ValueError:
+            fields[prop.key] = prop.value
+    return json.dumps(fields).encode()
+
+
 # ---------------------------------------------------------------------------------------
 # Seeds: valid inputs to mutate
 # ---------------------------------------------------------------------------------------
@@ -443,6 +542,11 @@ def seeds(target: str) -> List[bytes]:
             path = Path(folder) / "m.onnx"
             export_onnx(path, PnMixConfig(group_size=8, residual_size=16, sink_tokens=4), max_seq_len=32)
             return [path.read_bytes()]
+    if target == "llm_meta":
+        valid = json.loads(llm_meta_seed())
+        variants = [valid, {**valid, "pnmix.format_version": "1"}, {**valid, "pnmix.config": json.dumps(valid["pnmix.config"])},
+                    {k: v for k, v in valid.items() if k != "pnmix.data_sha256"}, {**valid, "pnmix.layers": "2"}]
+        return [json.dumps(v).encode() for v in variants]
     raise ValueError(target)
 
 
@@ -451,7 +555,7 @@ def seeds(target: str) -> List[bytes]:
 # ---------------------------------------------------------------------------------------
 
 INTERESTING_U32 = (0, 1, 2, 7, 8, 9, 31, 32, 33, 64, 127, 128, 255, 256, 2**16, 2**31 - 1, 2**31, 2**32 - 1)
-JSON_TARGETS = ("config", "manifest", "json", "sidecar")
+JSON_TARGETS = ("config", "manifest", "json", "sidecar", "llm_meta")
 HEADER_U32_OFFSETS = (8, 12, 16, 20, 28, 32, 36, 40, 60)  # docs/FORMAT.md section 6
 JSON_TOKENS = (b"null", b"true", b"-1", b"0", b"1e999", b"NaN", b"[]", b"{}", b'""', b"1" + b"0" * 400, b"0.5", b'"half"',
                b"[" * 120 + b"]" * 120, b"1" + b"0" * 21, str(2**70).encode(), b"-" + str(2**64).encode())
