@@ -90,6 +90,18 @@ def check_new_kv(layout: CacheLayout, k: torch.Tensor, v: torch.Tensor) -> None:
         raise PnMixError(f"new keys {list(k.shape)} and values {list(v.shape)} differ in shape")
 
 
+def residual_stream(layout: CacheLayout, state: State, seq_len: int, k: torch.Tensor, v: torch.Tensor):
+    """An append of k/v [B, H, n, D] at seq_len, as (lengths before, lengths after, stream_k,
+    stream_v): the stream is what the residual holds followed by the new tokens past the sink, so
+    the (after.groups - before.groups) groups the append flushes are its first tokens."""
+    before = layout.lengths(seq_len)
+    after = layout.lengths(seq_len + k.shape[2])
+    into_sink = after.sink - before.sink
+    stream_k = torch.cat([state["residual_k"][:, :, : before.residual], k[:, :, into_sink:]], dim=2)
+    stream_v = torch.cat([state["residual_v"][:, :, : before.residual], v[:, :, into_sink:]], dim=2)
+    return before, after, stream_k, stream_v
+
+
 def append_reference(layout: CacheLayout, state: State, seq_len: int, k: torch.Tensor, v: torch.Tensor,
                      kernels=reference) -> None:
     """Append fp16 K/V [B, H, n, D] to the state in place (the reference implementation).
@@ -100,15 +112,11 @@ def append_reference(layout: CacheLayout, state: State, seq_len: int, k: torch.T
     n = k.shape[2]
     if seq_len == 0 and n:
         state["pair_mask"].copy_(pack_pair_mask(reference.saliency_mask(k, layout)))
-    before = layout.lengths(seq_len)
-    after = layout.lengths(seq_len + n)
+    before, after, stream_k, stream_v = residual_stream(layout, state, seq_len, k, v)
     into_sink = after.sink - before.sink
     if into_sink:
         state["sink_k"][:, :, before.sink:after.sink] = k[:, :, :into_sink]
         state["sink_v"][:, :, before.sink:after.sink] = v[:, :, :into_sink]
-    # The residual stream: what the residual holds, then the new tokens past the sink.
-    stream_k = torch.cat([state["residual_k"][:, :, : before.residual], k[:, :, into_sink:]], dim=2)
-    stream_v = torch.cat([state["residual_v"][:, :, : before.residual], v[:, :, into_sink:]], dim=2)
     new_groups = after.groups - before.groups
     if new_groups:
         _write_groups(layout, state, before.groups, stream_k, stream_v, new_groups, kernels)

@@ -23,11 +23,11 @@ import dataclasses
 import math
 import threading
 import weakref
-from typing import Any, List, Optional, cast
+from typing import Any, List, Optional, Tuple, cast
 
 import torch
 
-from ..cache import CacheOps, PackedKVCache, check_kv_tensors, check_new_kv, check_room, fp16_kv
+from ..cache import CacheOps, PackedKVCache, check_kv_tensors, check_new_kv, check_room, fp16_kv, residual_stream
 from ..config import MAX_BATCH, MAX_SEQ_LEN, PnMixConfig
 from ..errors import PnMixError, PnMixIndexError, PnMixValueError
 from ._deps import require_transformers
@@ -37,6 +37,9 @@ require_transformers()
 from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: E402
 
 GROWTH_HEADROOM = 256
+# While recording the past (assisted decoding), a layer keeps the fp16 K/V of at most this many of
+# its most recently flushed groups, so that crop can give their tokens back to the residual.
+MAX_KEPT_GROUPS = 4
 
 
 def batch_rows(indices: Any, batch: Optional[int], what: str) -> torch.Tensor:
@@ -117,7 +120,6 @@ class PnMixLayer(CacheLayerMixin):
     """One attention layer's cache: a PackedKVCache plus the not-yet-appended step, if any."""
 
     is_compileable = False
-    is_croppable = False
     is_sliding = False
 
     def __init__(self, config: PnMixConfig, layer_idx: int, max_cache_len: Optional[int] = None,
@@ -132,6 +134,10 @@ class PnMixLayer(CacheLayerMixin):
         self.pending: Optional[Step] = None
         self.packed_attention = False  # set by the pnmix attention function
         self.peak_copy_bytes = 0  # largest dequantized K/V copy handed to the model's attention
+        self.record_past = False  # keep the fp16 K/V of the groups each append flushes (crop gives them back)
+        self.flushed: List[Tuple[torch.Tensor, torch.Tensor]] = []  # their K/V [B, H, group, D], oldest first
+        self.prefill_tokens = 0  # the first append's tokens: the pair mask was chosen from them
+        self.prefill_kv: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # their fp16 K/V, while recording
 
     # ---- transformers' layer interface ----------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -171,7 +177,7 @@ class PnMixLayer(CacheLayerMixin):
         if seq_before == 0:
             # Prefill: full-precision attention over the prompt; the append sets the pair mask.
             keys, values = key_states, value_states
-            packed.append(k16, v16)
+            self._append(k16, v16)
             pending = False
         elif self.packed_attention:
             keys, values = key_states, value_states
@@ -180,7 +186,7 @@ class PnMixLayer(CacheLayerMixin):
             k_cache, v_cache = packed.dequantized()
             keys = torch.cat([k_cache.to(key_states.dtype), key_states], dim=2)
             values = torch.cat([v_cache.to(value_states.dtype), value_states], dim=2)
-            packed.append(k16, v16)  # after the copy: this step sees its own tokens in fp16
+            self._append(k16, v16)  # after the copy: this step sees its own tokens in fp16
             copy = sum(t.numel() * t.element_size() for t in (keys, values))
             self.peak_copy_bytes = max(self.peak_copy_bytes, copy)
             pending = False
@@ -193,7 +199,25 @@ class PnMixLayer(CacheLayerMixin):
         """Append the step the packed attention has just read (attention first, then append)."""
         step, self.pending = self.pending, None
         if step is not None:
-            self.packed_cache().append(step.k_new, step.v_new)
+            self._append(step.k_new, step.v_new)
+
+    def _append(self, k16: torch.Tensor, v16: torch.Tensor) -> None:
+        """Append to the packed cache; while recording the past, first keep the fp16 K/V of the
+        groups this append flushes."""
+        packed = self.packed_cache()
+        if packed.seq_len == 0:
+            self.prefill_tokens = k16.shape[2]
+            # assisted decoding's first forward is the prompt AND the first drafted tokens: a crop
+            # into it redoes the prefill from these (the pair mask comes from the prefill's keys)
+            self.prefill_kv = (k16, v16) if self.record_past else None
+        if self.record_past:
+            before, after, stream_k, stream_v = residual_stream(packed.layout, packed.state, packed.seq_len, k16, v16)
+            size = self.config.group_size
+            for group in range(after.groups - before.groups):
+                part = slice(group * size, (group + 1) * size)
+                self.flushed.append((stream_k[:, :, part].clone(), stream_v[:, :, part].clone()))
+            del self.flushed[:-MAX_KEPT_GROUPS]
+        packed.append(k16, v16)
 
     def packed_cache(self) -> PackedKVCache:
         """The layer's packed cache, made by its first update."""
@@ -218,10 +242,109 @@ class PnMixLayer(CacheLayerMixin):
         self.is_initialized = False
         self.packed_attention = False
         self.peak_copy_bytes = 0
+        self.flushed = []
+        self.prefill_tokens = 0
+        self.prefill_kv = None
+
+    # ---- crop (assisted and speculative decoding) ------------------------------------------
+    @property
+    def is_croppable(self) -> bool:  # type: ignore[override]
+        """Whether crop can take back any of the tokens appended since the last crop: while
+        recording the past (activate_past_recording)."""
+        return self.record_past
+
+    def activate_past_recording(self) -> None:
+        self.record_past = True
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise PnMixError("PnMixCache cannot be cropped: quantized groups cannot give tokens back "
-                         "(assisted decoding and rewinds need a DynamicCache)")
+        """Forget the last tokens: crop(-n) removes n (transformers 5's meaning), crop(0) none;
+        crop(m) with m > 0 keeps the first m (older transformers' max_length). Exact: the layer
+        then holds what it would had it never seen them. Tokens still in the fp16 residual are
+        simply dropped; tokens that an append flushed into a quantized group come back from the
+        fp16 copy kept while recording the past (at most MAX_KEPT_GROUPS groups, since the last
+        crop); a crop into the prefill redoes it from its fp16 K/V, kept while recording until the
+        first crop; anything else is one line saying the lowest length it can crop to. Each crop
+        ends the record: the tokens it keeps are accepted."""
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
+            raise PnMixValueError(f"crop: expected an integer number of tokens, got {tokens_to_remove!r}")
+        if self.packed is None:
+            return
+        if self.pending is not None:
+            raise PnMixError(f"crop: layer {self.layer_idx} is in the middle of a step (its attention has not run)")
+        seq_len = self.packed.seq_len
+        target = seq_len + tokens_to_remove if tokens_to_remove < 0 else (tokens_to_remove or seq_len)
+        if target < 0:
+            raise PnMixValueError(f"crop: cannot remove {-tokens_to_remove} tokens from a cache of {seq_len}")
+        if target < seq_len:
+            self._crop_to(target)
+        self.flushed = []
+        self.prefill_kv = None
+
+    def _reachable(self, target: int) -> bool:
+        """Whether the layer can go back to target tokens exactly."""
+        packed = self.packed_cache()
+        if target < self.prefill_tokens:
+            return self.prefill_kv is not None
+        now, then = packed.layout.lengths(packed.seq_len), packed.layout.lengths(target)
+        return then.residual == 0 or then.groups >= now.groups - len(self.flushed)
+
+    def _crop_to(self, target: int) -> None:
+        packed = self.packed_cache()
+        seq_len = packed.seq_len
+        if not self._reachable(target):
+            lowest = next(t for t in range(target, seq_len + 1) if self._reachable(t))
+            why = (f"its pair mask was chosen from the {self.prefill_tokens}-token prefill"
+                   if target < self.prefill_tokens else
+                   f"tokens {target} on were quantized into groups and {len(self.flushed)} flushed group(s) are "
+                   "kept in fp16 (cache.activate_past_recording() keeps them from the next step on)")
+            raise PnMixError(f"PnMixCache cannot crop layer {self.layer_idx} from {seq_len} to {target} tokens: "
+                             f"{why}; the lowest length it can crop to is {lowest}")
+        if target < self.prefill_tokens and self.prefill_kv is not None:
+            k16, v16 = self.prefill_kv
+            layout = packed.layout
+            self.packed = PackedKVCache(self.config, layout.kv_heads, layout.head_dim, layout.max_seq_len,
+                                        batch=layout.batch, device=packed.device, ops=packed.ops)
+            self.prefill_tokens = target
+            if target:
+                self.packed.append(k16[:, :, :target].contiguous(), v16[:, :, :target].contiguous())
+            return
+        now, then = packed.layout.lengths(seq_len), packed.layout.lengths(target)
+        if then.residual:
+            # the stream from the first token of group then.groups: the kept groups, then the residual
+            kept = self.flushed[len(self.flushed) - (now.groups - then.groups):] if now.groups > then.groups else []
+            for name, part in (("residual_k", 0), ("residual_v", 1)):
+                stream = torch.cat([group[part] for group in kept] + [packed.state[name][:, :, :now.residual]], dim=2)
+                packed.state[name][:, :, :then.residual] = stream[:, :, :then.residual]
+        packed.seq_len = target
+
+    # ---- the dequantized view ----------------------------------------------------------------
+    # transformers 5 code reads and splices caches through layer.keys / layer.values. Here they are
+    # the packed cache dequantized, in the model's dtype: a copy each time (writing to it changes
+    # nothing), None before the first update. They cannot be assigned.
+    @property
+    def keys(self) -> Optional[torch.Tensor]:  # type: ignore[override]
+        return self._dequantized(0)
+
+    @keys.setter
+    def keys(self, value: Any) -> None:
+        self._refuse_assignment("keys", value)
+
+    @property
+    def values(self) -> Optional[torch.Tensor]:  # type: ignore[override]
+        return self._dequantized(1)
+
+    @values.setter
+    def values(self, value: Any) -> None:
+        self._refuse_assignment("values", value)
+
+    def _dequantized(self, which: int) -> Optional[torch.Tensor]:
+        if self.packed is None or self.packed.seq_len == 0:
+            return None
+        return self.packed.dequantized()[which].to(self.dtype)
+
+    def _refuse_assignment(self, name: str, value: Any) -> None:
+        if value is not None or getattr(self, "packed", None) is not None:  # CacheLayerMixin.__init__ sets None
+            raise PnMixError(f"PnMixCache layer {name} is a dequantized copy of the packed cache and cannot be assigned")
 
     def offload(self):
         raise PnMixError("PnMixCache does not support offloading")
@@ -343,7 +466,19 @@ class PnMixCache(Cache):
             raise PnMixError(f"max_cache_len must be a positive integer, got {max_cache_len!r}")
         self.max_cache_len = max_cache_len
         self.backend = backend
+        self.record_past = False
         super().__init__(layers=[])  # layers are made on first use, each knowing its index
+
+    def activate_past_recording(self) -> None:
+        """Keep what crop needs to take tokens back (transformers calls it before assisted
+        decoding, before the prefill: layers made later record too)."""
+        self.record_past = True
+        for layer in self.pnmix_layers:
+            layer.activate_past_recording()
+
+    @property
+    def is_croppable(self) -> bool:
+        return self.record_past
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Layers are made in order, on their first update: layer_idx is 0..len(layers); a new
@@ -354,6 +489,7 @@ class PnMixCache(Cache):
                              f"got {layer_idx!r}")
         layer = self.pnmix_layers[layer_idx] if layer_idx < made else PnMixLayer(
             self.config, layer_idx, self.max_cache_len, self.backend)
+        layer.record_past = layer.record_past or self.record_past
         out = layer.update(key_states, value_states, *args, **kwargs)
         if layer_idx == made:
             self.layers.append(layer)
