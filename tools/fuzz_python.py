@@ -546,6 +546,10 @@ def seeds(target: str) -> List[bytes]:
         valid = json.loads(llm_meta_seed())
         variants = [valid, {**valid, "pnmix.format_version": "1"}, {**valid, "pnmix.config": json.dumps(valid["pnmix.config"])},
                     {k: v for k, v in valid.items() if k != "pnmix.data_sha256"}, {**valid, "pnmix.layers": "2"}]
+        # plausible lies (the mutations rarely make a valid other integer): each must be refused
+        for key, value in (("layers", 3), ("kv_heads", 1), ("head_dim", 8), ("q_heads", 2), ("batch", 2),
+                           ("vocab_size", 100), ("max_seq_len", 65), ("dtype", "fp16")):
+            variants.append({**valid, f"pnmix.{key}": value})
         return [json.dumps(v).encode() for v in variants]
     raise ValueError(target)
 
