@@ -23,6 +23,7 @@ SLOW_MODULES = {
     "tests/cli/test_hardening_files.py": "fresh processes per case (special files, JSON, signals, closed stdout)",
     "tests/test_layout.py": "every module imported in its own fresh process",
     "tests/backends/test_ort_native.py": "an LLM exported and decoded 190 tokens through libpnmix_ort",
+    "tests/export/test_llm_file_hardening.py": "an fp16 export verified against two torch models, a second export",
     "tests/harness/test_hf_cache_crop.py": "assisted and prompt-lookup generation with their replays",
 }
 

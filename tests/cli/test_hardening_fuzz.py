@@ -15,11 +15,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import fuzz_python as fuzz  # noqa: E402  (tools/ is not a package)
 
-RUNS = {"dump": 400, "config": 400, "manifest": 200, "onnx": 120, "json": 400, "sidecar": 200, "state": 300, "cache_api": 150}
+RUNS = {"dump": 400, "config": 400, "manifest": 200, "onnx": 120, "json": 400, "sidecar": 200, "state": 300, "cache_api": 150, "llm_meta": 200}
 
 
-@pytest.mark.parametrize("target", [pytest.param(target, marks=pytest.mark.slow) if target == "onnx" else target
-                                    for target in sorted(RUNS)])  # onnx: an export per run
+@pytest.mark.parametrize("target", [pytest.param(target, marks=pytest.mark.slow) if target in ("onnx", "llm_meta")
+                                    else target for target in sorted(RUNS)])  # onnx, llm_meta: an export per run
 def test_mutation_fuzzing_finds_nothing(target, tmp_path):
     result = fuzz.run_loop(target, RUNS[target], 60.0, seed=1, crash_dir=tmp_path, log=lambda _: None)
     assert result["findings"] == [], result["findings"]
