@@ -240,6 +240,12 @@ def check_model_features(model_config: Any, where: str) -> None:
         if value is not None and value is not False:
             raise PnMixError(f"{where} sets {name} ({value!r}): {feature} is not part of the Llama family "
                              "that pnmix runs (neither transformers' model nor pn-mix's decoder applies it)")
+    kind = rope_parameters(model_config).get("rope_type") or "default"
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if kind != "default" and kind not in ROPE_INIT_FUNCTIONS:
+        raise PnMixError(f"{where}: rope type {kind!r} is not one transformers knows "
+                         f"({', '.join(['default', *ROPE_INIT_FUNCTIONS])})")
     partial = rope_parameters(model_config).get("partial_rotary_factor",
                                                  getattr(model_config, "partial_rotary_factor", None))
     if partial is not None and partial != 1:

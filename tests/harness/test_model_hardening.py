@@ -231,10 +231,11 @@ def test_nan_logits_stop_the_scoring(tiny):
 
 # ---- 3. features neither side computes ---------------------------------------------------------
 @pytest.mark.parametrize("field, value", [("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 50.0),
-                                          ("partial_rotary_factor", 0.5), ("attention_chunk_size", 64)])
+                                          ("partial_rotary_factor", 0.5), ("attention_chunk_size", 64),
+                                          ("rope_parameters", {"rope_type": "yarnn", "rope_theta": 10000.0})])
 def test_a_feature_the_llama_family_does_not_compute_is_refused(tiny, tmp_path, field, value):
     folder = variant(tiny, tmp_path / "m", config=lambda c: c.update({field: value}))
-    refused(lambda: load_model_config(resolve_model(str(folder))), field)
+    refused(lambda: load_model_config(resolve_model(str(folder))), "yarnn" if field == "rope_parameters" else field)
 
 
 def test_a_sliding_window_refuses_lengths_past_it_in_eval_and_export(tiny, tmp_path):
