@@ -25,6 +25,7 @@ SLOW_MODULES = {
     "tests/backends/test_ort_native.py": "an LLM exported and decoded 190 tokens through libpnmix_ort",
     "tests/export/test_llm_file_hardening.py": "an fp16 export verified against two torch models, a second export",
     "tests/harness/test_hf_cache_crop.py": "assisted and prompt-lookup generation with their replays",
+    "tests/harness/test_hf_padded.py": "padded batches beside each prompt alone, greedy and beam search",
 }
 
 MARKED_SLOW = re.compile(r"\bmark\.slow\b")

@@ -42,15 +42,11 @@ def pnmix_attention_forward(module, query, key, value, attention_mask, scaling=N
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    layer = step.layer
     head_dim = query.shape[-1]
     # The kernels scale by 1/sqrt(D); a model with another scale gets it folded into the queries.
     if scaling is not None and not math.isclose(scaling * math.sqrt(head_dim), 1.0, rel_tol=1e-6):
         query = query * (scaling * math.sqrt(head_dim))
-    packed = layer.packed_cache()
-    out = packed.ops.attend(query.to(torch.float16).contiguous(), packed.layout, packed.state,
-                           step.seq_before, step.k_new, step.v_new)
-    layer.commit()
+    out = step.layer.attend_pending(query.to(torch.float16))
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
@@ -71,14 +67,14 @@ def _check_step(module, step, attention_mask, nq: int, kwargs) -> None:
         )
     if attention_mask is None:
         return
-    # The kernels apply plain causality; a mask that hides more (padding) is refused.
+    # The kernels apply plain causality over each row's own cache; a mask that hides anything else
+    # (padding the cache did not see at the prefill) is refused.
     kv = step.seq_before + nq
-    positions = torch.arange(step.seq_before, kv, device=attention_mask.device).unsqueeze(-1)
-    causal = torch.arange(kv, device=attention_mask.device).unsqueeze(0) <= positions
-    if (attention_mask.dtype != torch.bool or attention_mask.shape[-2:] != causal.shape
-            or not bool((attention_mask == causal).all())):
-        raise PnMixError("the pnmix attention takes unpadded batches only: the attention mask hides more "
-                         "than the causal future (padding?)")
+    expected = step.layer.expected_mask(kv, nq, attention_mask.device)
+    if (attention_mask.dtype != torch.bool or attention_mask.shape[-2:] != expected.shape[-2:]
+            or not bool((attention_mask == expected).all())):
+        raise PnMixError("the pnmix attention: the attention mask hides more than the causal future and the "
+                         "padding of the batch's prefill (padding added later?)")
 
 
 def register() -> None:

@@ -195,6 +195,22 @@ class PnMixLayer(CacheLayerMixin):
         _last_step.step = step
         return keys, values
 
+    def attend_pending(self, query: torch.Tensor) -> torch.Tensor:
+        """The packed path (attention.py): fp16 queries [B, Hq, nq, D] over the packed cache and the
+        pending step's new K/V, then that step's append; fp32 [B, Hq, nq, D]."""
+        step, packed = self.pending, self.packed_cache()
+        if step is None:
+            raise PnMixError(f"layer {self.layer_idx} has no step waiting for the pnmix attention")
+        out = packed.ops.attend(query.to(torch.float16).contiguous(), packed.layout, packed.state,
+                                step.seq_before, step.k_new, step.v_new)
+        self.commit()
+        return out
+
+    def expected_mask(self, kv: int, nq: int, device) -> torch.Tensor:
+        """The mask the pnmix attention accepts: the causal future hidden, [nq, kv]."""
+        positions = torch.arange(kv - nq, kv, device=device).unsqueeze(-1)
+        return torch.arange(kv, device=device).unsqueeze(0) <= positions
+
     def commit(self) -> None:
         """Append the step the packed attention has just read (attention first, then append)."""
         step, self.pending = self.pending, None
@@ -322,7 +338,7 @@ class PnMixLayer(CacheLayerMixin):
     # the packed cache dequantized, in the model's dtype: a copy each time (writing to it changes
     # nothing), None before the first update. They cannot be assigned.
     @property
-    def keys(self) -> Optional[torch.Tensor]:  # type: ignore[override]
+    def keys(self) -> Optional[torch.Tensor]:
         return self._dequantized(0)
 
     @keys.setter
@@ -330,7 +346,7 @@ class PnMixLayer(CacheLayerMixin):
         self._refuse_assignment("keys", value)
 
     @property
-    def values(self) -> Optional[torch.Tensor]:  # type: ignore[override]
+    def values(self) -> Optional[torch.Tensor]:
         return self._dequantized(1)
 
     @values.setter
@@ -487,8 +503,7 @@ class PnMixCache(Cache):
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx <= made:
             raise PnMixError(f"layer_idx must be an integer 0..{made} (layers are made in order from 0), "
                              f"got {layer_idx!r}")
-        layer = self.pnmix_layers[layer_idx] if layer_idx < made else PnMixLayer(
-            self.config, layer_idx, self.max_cache_len, self.backend)
+        layer = self.pnmix_layers[layer_idx] if layer_idx < made else self._new_layer(layer_idx, key_states, kwargs)
         layer.record_past = layer.record_past or self.record_past
         out = layer.update(key_states, value_states, *args, **kwargs)
         if layer_idx == made:
@@ -518,6 +533,19 @@ class PnMixCache(Cache):
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0:
             raise PnMixValueError(f"get_seq_length: layer_idx must be an integer >= 0, got {layer_idx!r}")
         return super().get_seq_length(layer_idx)
+
+    def _new_layer(self, layer_idx: int, key_states: torch.Tensor, kwargs: dict) -> PnMixLayer:
+        """A PnMixLayer, or for a left-padded batch (its prefill's position ids say so) a
+        RowsLayer: one PnMixLayer per row, fed the row's own tokens (pnmix/hf/padded.py)."""
+        forward_kwargs = kwargs.get("kwargs")
+        positions = forward_kwargs.get("position_ids") if isinstance(forward_kwargs, dict) else None
+        from .padded import RowsLayer, left_pads
+
+        pads = left_pads(positions, key_states.shape[2]) if key_states.dim() == 4 else None
+        if pads is None:
+            return PnMixLayer(self.config, layer_idx, self.max_cache_len, self.backend)
+        rows = RowsLayer(lambda: PnMixLayer(self.config, layer_idx, self.max_cache_len, self.backend), pads, layer_idx)
+        return cast(PnMixLayer, rows)
 
     @property
     def pnmix_layers(self) -> List[PnMixLayer]:
