@@ -36,9 +36,9 @@ LLM_KIND = "llm"
 FORMAT_VERSION = "2"
 DATA_DIGEST = "sha256"  # hashlib's name; the fastest of sha256/blake2b/sha512 measured on SmolLM2's 540 MB
 # What PnMixDecoder (export/llama.py) names in the traced graph, which the metadata is checked
-# against: the token embedding (its dtype is the file's), the RoPE tables ([max_seq_len, head_dim])
-# and a layer's query projection ([q_heads * head_dim, hidden]).
-EMBED = "embed"
+# against: the RoPE tables ([max_seq_len, head_dim]) and a layer's query projection ([q_heads *
+# head_dim, hidden]). The token embedding (its dtype is the file's) is the table the Gather of
+# input_ids reads: "embed", or "lm_head" where the model ties them (SmolLM2).
 ROPE_TABLES = ("rope_cos", "rope_sin")
 Q_PROJ = "layers.0.q_proj.weight"
 GRAPH_DTYPES = {1: "fp32", 10: "fp16"}  # onnx.TensorProto.FLOAT, FLOAT16
@@ -298,11 +298,13 @@ def check_graph(proto: Any, values: Mapping[str, Any], path: Path) -> None:
     if values["head_dim"] != state[3]:
         raise differs("head_dim", f"keeps K/V of {state[3]} channels")
     weights = {t.name: t for t in graph.initializer}
-    embed = weights.get(EMBED)
+    embed = embedding(graph)
     if embed is None or embed.data_type not in GRAPH_DTYPES or len(embed.dims) != 2:
-        raise PnMixError(f"{path}: the graph has no 2-D fp32 or fp16 {EMBED} weights (not an export of this pnmix?)")
+        raise PnMixError(f"{path}: the graph has no 2-D fp32 or fp16 embedding that input_ids index (not an export "
+                         "of this pnmix?)")
     if values["dtype"] != GRAPH_DTYPES[embed.data_type]:
-        raise differs("dtype", f"holds {GRAPH_DTYPES[embed.data_type]} weights ({EMBED} is {_type_name(embed.data_type)})")
+        raise differs("dtype", f"holds {GRAPH_DTYPES[embed.data_type]} weights (its embedding {embed.name} is "
+                               f"{_type_name(embed.data_type)})")
     for table in ROPE_TABLES:
         rows = list(weights[table].dims) if table in weights else None
         if rows is None or len(rows) != 2 or rows[1] != values["head_dim"]:
@@ -325,6 +327,15 @@ def check_graph(proto: Any, values: Mapping[str, Any], path: Path) -> None:
                 if said[key] != value:
                     raise PnMixError(f"{path}: metadata {META_PREFIX}config has {key} {said[key]!r}, but the "
                                      f"graph's {op} nodes carry {value!r}")
+
+
+def embedding(graph: Any) -> Any:
+    """The initializer the graph's Gather of input_ids reads (the token embedding), or None."""
+    weights = {t.name: t for t in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Gather" and len(node.input) == 2 and node.input[1] == "input_ids":
+            return weights.get(node.input[0])
+    return None
 
 
 def check_state_tensors(proto: Any, info: LlmFileInfo) -> None:
