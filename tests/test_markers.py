@@ -26,6 +26,7 @@ SLOW_MODULES = {
     "tests/export/test_llm_file_hardening.py": "an fp16 export verified against two torch models, a second export",
     "tests/harness/test_hf_cache_crop.py": "assisted and prompt-lookup generation with their replays",
     "tests/harness/test_hf_padded.py": "padded batches beside each prompt alone, greedy and beam search",
+    "tests/harness/test_hf_compile.py": "inductor compiles a model around the cache",
 }
 
 MARKED_SLOW = re.compile(r"\bmark\.slow\b")

@@ -21,12 +21,13 @@ import torch
 
 from ..errors import PnMixError
 from ._deps import require_transformers
-from .cache import take_step
+from .cache import COMPILE_REASON, take_step
 from .models import pair_layout_for
 
 ATTENTION_NAME = "pnmix"
 
 
+@torch.compiler.disable(reason=COMPILE_REASON)  # the kernels run eagerly (PnMixCache.update says why)
 def pnmix_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention signature: query [B, Hq, nq, D], key/value [B, H, N, D] ->
     (output [B, nq, Hq, D] in the query's dtype, None)."""

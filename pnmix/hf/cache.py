@@ -37,6 +37,8 @@ require_transformers()
 from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: E402
 
 GROWTH_HEADROOM = 256
+COMPILE_REASON = ("PnMixCache runs its kernels eagerly (is_compileable is False): use torch.compile without "
+                  "fullgraph, which breaks the graph around the cache")
 # While recording the past (assisted decoding), a layer keeps the fp16 K/V of at most this many of
 # its most recently flushed groups, so that crop can give their tokens back to the residual.
 MAX_KEPT_GROUPS = 4
@@ -496,6 +498,10 @@ class PnMixCache(Cache):
     def is_croppable(self) -> bool:
         return self.record_past
 
+    # torch.compile: the kernels are opaque calls (ctypes, Triton launches) and the packed state
+    # changes with the data, so the cache's entry points run eagerly: without fullgraph the graph
+    # breaks around them; fullgraph=True and torch.export stop at them (is_compileable is False).
+    @torch.compiler.disable(reason=COMPILE_REASON)
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Layers are made in order, on their first update: layer_idx is 0..len(layers); a new
         layer joins the cache only when its first update succeeds (a refused update changes nothing)."""
@@ -529,6 +535,7 @@ class PnMixCache(Cache):
         for layer, packed in zip(self.pnmix_layers, states):
             layer._install(packed)
 
+    @torch.compiler.disable(reason=COMPILE_REASON)
     def get_seq_length(self, layer_idx: int = 0) -> int:
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0:
             raise PnMixValueError(f"get_seq_length: layer_idx must be an integer >= 0, got {layer_idx!r}")
