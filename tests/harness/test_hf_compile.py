@@ -42,7 +42,7 @@ def test_compile_without_fullgraph_computes_what_eager_does():
     ids = torch.randint(1, 256, (1, 30), generator=torch.Generator().manual_seed(2))
     compiled, eager = PnMixCache(**SMALL), PnMixCache(**SMALL)
     with torch.no_grad():
-        for step in range(4):
+        for _ in range(4):
             got = forward(input_ids=ids, past_key_values=compiled, use_cache=True).logits[:, -1]
             want = model(input_ids=ids, past_key_values=eager, use_cache=True).logits[:, -1]
             torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
