@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import fuzz_python as fuzz  # noqa: E402  (tools/ is not a package)
 
-RUNS = {"dump": 400, "config": 400, "manifest": 200, "onnx": 120, "json": 400, "sidecar": 200, "state": 300, "cache_api": 150, "llm_meta": 200}
+RUNS = {"dump": 400, "config": 400, "manifest": 200, "onnx": 120, "json": 400, "sidecar": 200, "state": 300, "cache_api": 150, "gguf": 200, "llm_meta": 200}
 
 
 @pytest.mark.parametrize("target", [pytest.param(target, marks=pytest.mark.slow) if target in ("onnx", "llm_meta")
