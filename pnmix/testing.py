@@ -70,6 +70,37 @@ WORDS = ("the of and to in is was for on that with as by at from his her it an w
          "large small north south east west old long great part place house school war day king").split()
 
 
+def tiny_llama(seed: int = 0, vocab_size: int = 256, layers: int = 2):
+    """A random LlamaForCausalLM in memory (4 query heads, 2 KV heads of 32 channels, hidden 64),
+    in eval mode: the cache tests' model."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                         max_position_embeddings=4096, pad_token_id=0, eos_token_id=None, bos_token_id=None)
+    return LlamaForCausalLM(config).eval()
+
+
+class CliResult:
+    """A CLI run in this process as a subprocess result reads: returncode, stdout, stderr."""
+
+    def __init__(self, result):
+        self.returncode = result.exit_code
+        self.stdout = result.stdout
+        self.stderr = result.stderr
+
+
+def run_cli_in_process(*args) -> CliResult:
+    """`pnmix ARGS` in this process (no re-import of torch and transformers per call)."""
+    from typer.testing import CliRunner
+
+    from pnmix.cli import app
+
+    return CliResult(CliRunner().invoke(app, [str(a) for a in args]))
+
+
 def make_tiny_model(folder: Path, model_type: str = "llama", layers: int = 2, seed: int = 0,
                     max_positions: int = 1024) -> Path:
     """Save a random ``model_type`` causal LM (2 layers, 4 query / 2 KV heads of 16 channels) and a

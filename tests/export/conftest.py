@@ -8,6 +8,8 @@ import pytest
 
 from pnmix.config import PnMixConfig
 
+TINY_CAPACITY = 96  # the tiny LLM export's capacity (CAPACITY in its modules)
+
 
 @pytest.fixture(scope="session")
 def diagnostic_file(tmp_path_factory) -> Callable[..., Path]:
@@ -25,3 +27,25 @@ def diagnostic_file(tmp_path_factory) -> Callable[..., Path]:
         return made[key]
 
     return export
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """A 2-layer random Llama, a small-group config (groups quantize within a short run) and its
+    export (capacity 96), made once for the export tests. Tests read it; a test that changes a
+    file works on its own copy."""
+    import json
+
+    import numpy as np
+
+    from pnmix.export.llm import export_llm
+    from pnmix.testing import SMALL, WORDS, make_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny_llm")
+    folder = make_tiny_model(root / "llama")
+    config = root / "config.json"
+    config.write_text(json.dumps(SMALL))
+    result = export_llm(str(folder), root / "m.onnx", TINY_CAPACITY, config)
+    text = root / "text.txt"
+    text.write_text(" ".join(np.random.default_rng(0).choice(WORDS, 200)))
+    return {"root": root, "folder": folder, "config": config, "onnx": result.path, "result": result, "text": text}

@@ -20,42 +20,15 @@ from pnmix.export import ops  # noqa: E402
 from pnmix.export.append_body import append_function  # noqa: E402
 from pnmix.export.attention_body import attention_function  # noqa: E402
 from pnmix.backends.onnxruntime.llm_session import LlmSession, greedy  # noqa: E402
-from pnmix.export.llm import export_llm  # noqa: E402
 from pnmix.export.llm_file import read_llm_info  # noqa: E402
-from pnmix.testing import WORDS, make_tiny_model  # noqa: E402
+from pnmix.testing import make_tiny_model  # noqa: E402
 from pnmix.testing import SMALL  # noqa: E402
+from pnmix.testing import run_cli_in_process  # noqa: E402
 
 CAPACITY = 96
 
 
-class Result:
-    def __init__(self, result):
-        self.returncode = result.exit_code
-        self.stdout = result.stdout
-        self.stderr = result.stderr
-
-
-def run_cli(*args):
-    """The CLI in this process (no re-import of torch and transformers per call)."""
-    from typer.testing import CliRunner
-
-    from pnmix.cli import app
-
-    return Result(CliRunner().invoke(app, [str(a) for a in args]))
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A 2-layer random Llama, a small-group config (groups quantize within a short run) and its export."""
-    root = tmp_path_factory.mktemp("tiny_llm")
-    folder = make_tiny_model(root / "llama")
-    config = root / "config.json"
-    config.write_text(json.dumps(SMALL))
-    result = export_llm(str(folder), root / "m.onnx", CAPACITY, config)
-    text = root / "text.txt"
-    rng = np.random.default_rng(0)
-    text.write_text(" ".join(rng.choice(WORDS, 200)))
-    return {"root": root, "folder": folder, "config": config, "onnx": result.path, "result": result, "text": text}
+run_cli = run_cli_in_process
 
 
 def test_file_has_two_pnmix_nodes_per_layer_with_the_table_and_the_function_bodies(tiny):

@@ -23,24 +23,13 @@ from pnmix.errors import PnMixError  # noqa: E402
 from pnmix.export import llm_file  # noqa: E402
 from pnmix.export.llm import export_llm  # noqa: E402
 from pnmix.export.llm_file import read_llm_info  # noqa: E402
-from pnmix.testing import SMALL, WORDS, make_tiny_model  # noqa: E402
+from pnmix.testing import SMALL, make_tiny_model  # noqa: E402
+from pnmix.testing import run_cli_in_process  # noqa: E402
 
 CAPACITY = 96
 
 
-class Result:
-    def __init__(self, result):
-        self.returncode = result.exit_code
-        self.stdout = result.stdout
-        self.stderr = result.stderr
-
-
-def run_cli(*args):
-    from typer.testing import CliRunner
-
-    from pnmix.cli import app
-
-    return Result(CliRunner().invoke(app, [str(a) for a in args]))
+run_cli = run_cli_in_process
 
 
 def one_line_error(proc, *words):
@@ -50,18 +39,6 @@ def one_line_error(proc, *words):
     assert "\x1b[" not in proc.stderr and "Traceback" not in proc.stderr
     for word in words:
         assert word in lines[0], lines[0]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("llm_file")
-    folder = make_tiny_model(root / "llama")
-    config = root / "config.json"
-    config.write_text(json.dumps(SMALL))
-    result = export_llm(str(folder), root / "m.onnx", CAPACITY, config)
-    text = root / "text.txt"
-    text.write_text(" ".join(np.random.default_rng(0).choice(WORDS, 200)))
-    return {"root": root, "folder": folder, "config": config, "onnx": result.path, "text": text}
 
 
 def copy_pair(tiny, folder, name="m.onnx"):

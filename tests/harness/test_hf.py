@@ -16,19 +16,14 @@ from pnmix.format import STATE_NAMES  # noqa: E402
 from pnmix.hf import PnMixCache  # noqa: E402
 from pnmix.hf._deps import quanto_unavailable_reason  # noqa: E402
 from pnmix.hf.evaluate.kv_bytes import quantized_cache_bytes  # noqa: E402
+from pnmix import testing  # noqa: E402
 from pnmix.testing import make_random_kv  # noqa: E402
 
 KV_HEADS, HEAD_DIM, LAYERS = 2, 32, 2
 
 
 def tiny_llama(seed: int = 0, layers: int = LAYERS):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-                         max_position_embeddings=4096, pad_token_id=0, eos_token_id=None, bos_token_id=None)
-    return LlamaForCausalLM(config).eval()
+    return testing.tiny_llama(seed, layers=layers)
 
 
 @pytest.fixture(scope="module")

@@ -16,19 +16,10 @@ pytest.importorskip("transformers", reason="transformers 5.x is the optional `hf
 
 from pnmix.format import STATE_NAMES  # noqa: E402
 from pnmix.hf import PnMixCache  # noqa: E402
+from pnmix.testing import tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
 SMALL = dict(group_size=16, residual_size=24, sink_tokens=4)  # groups flush within a short run
-
-
-def tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                         max_position_embeddings=4096, pad_token_id=0, eos_token_id=None, bos_token_id=None)
-    return LlamaForCausalLM(config).eval()
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ pytest.importorskip("transformers", reason="transformers 5.x is the optional `hf
 from pnmix.dump import dump_state  # noqa: E402
 from pnmix.errors import PnMixError  # noqa: E402
 from pnmix.hf import PnMixCache  # noqa: E402
+from pnmix import testing  # noqa: E402
 from pnmix.hf.cache import MAX_KEPT_GROUPS  # noqa: E402
 from pnmix.testing import make_random_kv  # noqa: E402
 
@@ -141,13 +142,7 @@ def test_layer_keys_and_values_are_the_dequantized_cache():
 
 
 def tiny_llama(seed):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=HEADS, head_dim=DIM,
-                         max_position_embeddings=4096, pad_token_id=0, eos_token_id=None, bos_token_id=None)
-    return LlamaForCausalLM(config).eval()
+    return testing.tiny_llama(seed, vocab_size=64)
 
 
 class LoggedCache(PnMixCache):

@@ -11,19 +11,10 @@ pytest.importorskip("transformers", reason="transformers 5.x is the optional `hf
 
 from pnmix.hf import PnMixCache  # noqa: E402
 from pnmix.hf.cache import COMPILE_REASON  # noqa: E402
+from pnmix.testing import tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 SMALL = dict(group_size=16, residual_size=24, sink_tokens=4)
-
-
-def tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                         max_position_embeddings=4096, pad_token_id=0, eos_token_id=None, bos_token_id=None)
-    return LlamaForCausalLM(config).eval()
 
 
 def test_fullgraph_compile_stops_at_the_cache_saying_why():
