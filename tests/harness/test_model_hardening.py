@@ -402,3 +402,20 @@ def test_eval_gives_identical_figures_run_after_run(tiny, tmp_path):
         reports.append(rows)
     assert reports[0] == reports[1] == reports[2]
     assert len(reports[0]) == 3 and reports[0][1]["kl"] > 0
+
+
+def test_eval_with_a_tokenizer_larger_than_the_vocabulary_is_one_line(tiny, tmp_path):
+    """Another model's tokenizer in the folder: its ids pass the model's 128-id vocabulary (an
+    IndexError in the embedding before); eval says so before anything runs."""
+    import json
+    import shutil
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny, folder)
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    spec["model"]["vocab"] = {token: i + 200 for token, i in spec["model"]["vocab"].items()}
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    out = tmp_path / "r.json"
+    one_line_error(*invoke("eval", folder, "--methods", "pnmix", "--contexts", 16, "--decode-tokens", 2,
+                           "--json", out), "the model's vocabulary has 128 ids")
+    assert not out.exists()

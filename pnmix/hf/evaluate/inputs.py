@@ -13,14 +13,19 @@ from ...errors import PnMixError
 class Text:
     """The model's tokenizer, or UTF-8 bytes as ids for a folder without one (random test models)."""
 
-    def __init__(self, tokenizer: Any = None):
+    def __init__(self, tokenizer: Any = None, vocab_size: int = 0):
         self.tokenizer = tokenizer
+        self.vocab_size = vocab_size  # the model's: an id at or past it has no embedding
         self.name = type(tokenizer).__name__ if tokenizer is not None else "utf-8 bytes"
 
     def encode(self, text: str) -> List[int]:
         if self.tokenizer is None:
             return list(text.encode("utf-8"))
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if self.vocab_size and ids and max(ids) >= self.vocab_size:
+            raise PnMixError(f"the tokenizer gives id {max(ids)} but the model's vocabulary has {self.vocab_size} "
+                             "ids: the tokenizer is not this model's")
+        return ids
 
     def decode(self, ids: List[int]) -> str:
         if self.tokenizer is None:
@@ -33,9 +38,9 @@ def load_text_tokens(source, model_config: Any) -> Text:
 
     has_tokenizer = source.gguf_file is not None or any(
         (source.folder / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
-    if has_tokenizer:
-        return Text(load_tokenizer(source))
     vocab = int(getattr(model_config, "vocab_size", 0) or 0)
+    if has_tokenizer:
+        return Text(load_tokenizer(source), vocab)
     if vocab < 256:
         raise PnMixError(f"{source.spec} has no tokenizer and a vocabulary of {vocab} < 256: "
                          "cannot feed text as bytes")
