@@ -37,6 +37,7 @@ require_transformers()
 from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: E402
 
 GROWTH_HEADROOM = 256
+SMALL_UPDATE_BYTES = 64 << 20  # updates whose fp16 copies are larger are checked against free memory first
 COMPILE_REASON = ("PnMixCache runs its kernels eagerly (is_compileable is False): use torch.compile without "
                   "fullgraph, which breaks the graph around the cache")
 # While recording the past (assisted decoding), a layer keeps the fp16 K/V of at most this many of
@@ -429,10 +430,12 @@ class PnMixLayer(CacheLayerMixin):
             check_room(seq_before, n, self.max_cache_len, " of PnMixCache", limit="max_cache_len")
         else:
             check_room(seq_before, n, MAX_SEQ_LEN, " of PnMixCache", limit="the layout's limit")
-        from ..memory import check_fits
+        need = 2 * key_states.numel() * 2
+        if need > SMALL_UPDATE_BYTES:  # a decode step's few KB need no memory probe (/proc/meminfo)
+            from ..memory import check_fits
 
-        check_fits(2 * key_states.numel() * 2, f"the fp16 copies of {n} new K/V tokens of layer {self.layer_idx}",
-                   "update with fewer tokens", str(key_states.device))
+            check_fits(need, f"the fp16 copies of {n} new K/V tokens of layer {self.layer_idx}",
+                       "update with fewer tokens", str(key_states.device))
 
     def _reserve(self, n: int) -> None:
         """Make room for n more tokens: grow (double) the group slots, or refuse past max_cache_len."""
