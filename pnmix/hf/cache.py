@@ -37,7 +37,7 @@ require_transformers()
 from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: E402
 
 GROWTH_HEADROOM = 256
-SMALL_UPDATE_BYTES = 64 << 20  # updates whose fp16 copies are larger are checked against free memory first
+SMALL_UPDATE_BYTES = 16 << 20  # updates whose fp16 copies are larger are checked against free memory first
 COMPILE_REASON = ("PnMixCache runs its kernels eagerly (is_compileable is False): use torch.compile without "
                   "fullgraph, which breaks the graph around the cache")
 # While recording the past (assisted decoding), a layer keeps the fp16 K/V of at most this many of
