@@ -83,24 +83,6 @@ def tiny_llama(seed: int = 0, vocab_size: int = 256, layers: int = 2):
     return LlamaForCausalLM(config).eval()
 
 
-class CliResult:
-    """A CLI run in this process as a subprocess result reads: returncode, stdout, stderr."""
-
-    def __init__(self, result):
-        self.returncode = result.exit_code
-        self.stdout = result.stdout
-        self.stderr = result.stderr
-
-
-def run_cli_in_process(*args) -> CliResult:
-    """`pnmix ARGS` in this process (no re-import of torch and transformers per call)."""
-    from typer.testing import CliRunner
-
-    from pnmix.cli import app
-
-    return CliResult(CliRunner().invoke(app, [str(a) for a in args]))
-
-
 def make_tiny_model(folder: Path, model_type: str = "llama", layers: int = 2, seed: int = 0,
                     max_positions: int = 1024) -> Path:
     """Save a random ``model_type`` causal LM (2 layers, 4 query / 2 KV heads of 16 channels) and a

@@ -22,7 +22,11 @@ from typing import Any, List, Optional, Tuple
 import torch
 
 from ..errors import PnMixError
-from .cache import CacheLayerMixin, PnMixLayer, Step, _last_step, batch_rows, check_repeats
+from ._deps import require_transformers
+from .layer_step import Step, _last_step, batch_rows, check_repeats
+
+require_transformers()
+from transformers.cache_utils import CacheLayerMixin  # noqa: E402
 
 
 def left_pads(positions: Any, n: int) -> Optional[List[int]]:
@@ -53,7 +57,7 @@ class RowsLayer(CacheLayerMixin):
 
     def __init__(self, make_row, pads: List[int], layer_idx: int):
         super().__init__()
-        self.rows: List[PnMixLayer] = [make_row() for _ in pads]
+        self.rows: List[Any] = [make_row() for _ in pads]  # PnMixLayers (pnmix/hf/cache.py)
         self.pads = list(pads)
         self.layer_idx = layer_idx
         self.is_initialized = False
@@ -124,7 +128,7 @@ class RowsLayer(CacheLayerMixin):
         else:
             keys, values = (torch.cat([self._left_padded(out[i], b, length + n) for b, out in enumerate(outputs)])
                             for i in (0, 1))
-        step = Step(self, weakref.ref(keys), length, key_states, value_states, pending)  # type: ignore[arg-type]
+        step = Step(self, weakref.ref(keys), length, key_states, value_states, pending)
         self.pending = step if pending else None
         _last_step.step = step
         return keys, values
@@ -185,11 +189,11 @@ class RowsLayer(CacheLayerMixin):
         raise PnMixError("PnMixCache does not support offloading")
 
     # ---- batch changes (beam search, num_return_sequences) -----------------------------------
-    def selected(self, indices: Any, what: str) -> Tuple[List[PnMixLayer], List[int]]:
+    def selected(self, indices: Any, what: str) -> Tuple[List[Any], List[int]]:
         rows = batch_rows(indices, len(self.rows), what).tolist()
         return [copy.deepcopy(self.rows[r]) for r in rows], [self.pads[r] for r in rows]
 
-    def repeated(self, repeats: Any) -> Tuple[List[PnMixLayer], List[int]]:
+    def repeated(self, repeats: Any) -> Tuple[List[Any], List[int]]:
         repeats = check_repeats(repeats, len(self.rows))
         rows = [r for r in range(len(self.rows)) for _ in range(repeats)]
         return [copy.deepcopy(self.rows[r]) for r in rows], [self.pads[r] for r in rows]

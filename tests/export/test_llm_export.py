@@ -23,12 +23,24 @@ from pnmix.backends.onnxruntime.llm_session import LlmSession, greedy  # noqa: E
 from pnmix.export.llm_file import read_llm_info  # noqa: E402
 from pnmix.testing import make_tiny_model  # noqa: E402
 from pnmix.testing import SMALL  # noqa: E402
-from pnmix.testing import run_cli_in_process  # noqa: E402
 
 CAPACITY = 96
 
 
-run_cli = run_cli_in_process
+class Result:
+    def __init__(self, result):
+        self.returncode = result.exit_code
+        self.stdout = result.stdout
+        self.stderr = result.stderr
+
+
+def run_cli(*args):
+    """The CLI in this process (no re-import of torch and transformers per call)."""
+    from typer.testing import CliRunner
+
+    from pnmix.cli import app
+
+    return Result(CliRunner().invoke(app, [str(a) for a in args]))
 
 
 def test_file_has_two_pnmix_nodes_per_layer_with_the_table_and_the_function_bodies(tiny):
