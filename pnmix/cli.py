@@ -425,13 +425,14 @@ def eval_model(
     model: Optional[str] = typer.Argument(None, help=f"The LLM ({MODEL_KINDS})."),
     methods: Optional[str] = typer.Option(None, help="Comma list of methods (default: all); 'list' prints them."),
     config: Optional[Path] = typer.Option(None, help="JSON of pn-mix config fields: one more method, 'config'."),
-    task: str = typer.Option("kl", help="kl, passkey, or kl,passkey."),
-    contexts: str = typer.Option("1024", help="Comma list of prefill lengths P (task kl)."),
-    decode_tokens: int = typer.Option(256, help="Teacher-forced decode steps D after each prefill (task kl)."),
-    text: Optional[Path] = typer.Option(None, help="A UTF-8 text file (default: the bundled Hamlet)."),
-    lengths: str = typer.Option("1024,2048,4096,8192", help="Comma list of passkey sequence lengths in tokens."),
-    depths: str = typer.Option("0.1,0.3,0.5,0.7,0.9", help="Comma list of passkey depths in [0, 1]."),
-    trials: int = typer.Option(5, help="Seeded pass keys per (length, depth) cell."),
+    task: str = typer.Option(defaults.EVAL_TASK, help="Comma list of kl, passkey, passkey-long (20-digit keys)."),
+    contexts: str = typer.Option(",".join(map(str, defaults.EVAL_CONTEXTS)), help="Comma list of prefill lengths P (task kl)."),
+    decode_tokens: int = typer.Option(defaults.EVAL_DECODE_TOKENS, help="Teacher-forced decode steps D after each prefill (task kl)."),
+    text: Optional[Path] = typer.Option(None, help="A UTF-8 text file (default: the bundled Hamlet): task kl's text and the text haystack."),
+    haystack: str = typer.Option(defaults.EVAL_HAYSTACK, help="The passkey haystack: classic (a filler sentence repeated) or text (--text or Hamlet)."),
+    lengths: str = typer.Option(",".join(map(str, defaults.EVAL_LENGTHS)), help="Comma list of passkey sequence lengths in tokens."),
+    depths: str = typer.Option(",".join(f"{d:g}" for d in defaults.EVAL_DEPTHS), help="Comma list of passkey depths in [0, 1]."),
+    trials: int = typer.Option(defaults.EVAL_TRIALS, help="Seeded pass keys per (length, depth) cell."),
     seed: int = typer.Option(0, help="Seed of the pass keys."),
     dtype: str = typer.Option("fp32", help="fp32, fp16 or bf16 model weights."),
     json_path: JsonOut = None,
@@ -445,7 +446,7 @@ def eval_model(
 
     return eval_command(model=model, methods=methods, config=config, task=task, contexts=contexts,
                         decode_tokens=decode_tokens, text=text, lengths=lengths, depths=depths, trials=trials,
-                        seed=seed, dtype=dtype, json_path=json_path, plot=plot)
+                        seed=seed, dtype=dtype, json_path=json_path, plot=plot, haystack_name=haystack)
 
 
 def main_entry() -> int:

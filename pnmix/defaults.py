@@ -19,10 +19,11 @@ DECODE_Q_HEADS = 32
 DECODE_KV_HEADS = 8
 DECODE_HEAD_DIM = 128
 
-EVAL_TASK = "kl"  # `pnmix eval`: kl, passkey or kl,passkey
+EVAL_TASK = "kl"  # `pnmix eval`: a comma list of kl, passkey, passkey-long
 EVAL_CONTEXTS = (1024,)  # task kl: prefill lengths P
 EVAL_DECODE_TOKENS = 256  # task kl: teacher-forced decode steps D after each prefill
 EVAL_LENGTHS = (1024, 2048, 4096, 8192)  # task passkey: sequence lengths in tokens
 EVAL_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)  # task passkey: where the key sits, 0 (start) to 1 (end)
-EVAL_TRIALS = 5  # task passkey: seeded keys per (length, depth) cell
+EVAL_TRIALS = 10  # task passkey: seeded keys per (length, depth) cell
+EVAL_HAYSTACK = "classic"  # task passkey: classic (the repeated filler sentence) or text
 EVAL_DTYPE = "fp32"  # the model's weights

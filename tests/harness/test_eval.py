@@ -21,7 +21,7 @@ from pnmix.hf.evaluate.kv_bytes import cache_bytes  # noqa: E402
 from pnmix.hf.evaluate.methods import (  # noqa: E402
     CONFIG_METHOD, METHODS, REFERENCE, attention_for, make_cache, pnmix_config,
 )
-from pnmix.hf.evaluate.passkey import ANSWER_TOKENS, NEEDLE, first_number, haystack  # noqa: E402
+from pnmix.hf.evaluate.passkey import NEEDLE, first_number, haystack, text_filler  # noqa: E402
 from pnmix.hf.evaluate.prefill import attention, decode_step, run_prefill  # noqa: E402
 
 QUANTO = quanto_unavailable_reason()
@@ -140,8 +140,9 @@ def test_eval_reports_every_method_in_the_documented_shape(tiny_dir, tmp_path):
     assert {(r["method"], r["length"], r["depth"]) for r in report["passkey"]} == {
         (m, 400, d) for m in names for d in (0.2, 0.8)}
     for row in report["passkey"]:
-        assert set(row) == {"method", "length", "depth", "accuracy", "trials"} and row["trials"] == 2
-        assert row["accuracy"] in (0.0, 0.5, 1.0)
+        assert set(row) == {"task", "haystack", "key_digits", "method", "length", "depth", "accuracy", "trials",
+                            "reference_accuracy", "reference_fails"} and row["trials"] == 2
+        assert row["accuracy"] in (0.0, 0.5, 1.0) and (row["task"], row["haystack"]) == ("passkey", "classic")
     if HAS_MATPLOTLIB:
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -173,10 +174,10 @@ def test_kivi_presets_are_pnmix_configs_without_sink_and_with_one_key_width():
 
 def test_passkey_haystack_has_the_length_asked_for():
     text = Text()
-    filler = list(range(32, 120)) * 40
+    filler = text_filler(list(range(32, 120)) * 40)
     for depth in (0.0, 0.5, 1.0):
-        hay = haystack(text, filler, 1000, depth, "12345")
-        assert len(hay.prefix) + len(hay.suffix) + len(hay.question) + ANSWER_TOKENS == 1000
+        hay = haystack(text, filler, 1000, depth, "12345", answer_tokens=8)
+        assert len(hay.prefix) + len(hay.suffix) + len(hay.question) + 8 == 1000
         needle = text.encode(NEEDLE.format(key="12345"))
         assert hay.suffix[:len(needle)] == needle
     assert first_number(" 12345. Remember") == "12345" and first_number(" none") is None

@@ -16,11 +16,11 @@ from ...io import JsonReport, check_output_path, write_bytes_atomic
 from .inputs import load_text_tokens, read_text
 from .kl import kl_task
 from .methods import methods_table, parse_methods, pnmix_config
-from .passkey import haystack, passkey_task
+from .passkey import HAYSTACKS, VARIANTS, Filler, classic_filler, haystack, passkey_task, text_filler
 from .report import print_tables, render_plot, require_matplotlib
 
 
-TASKS = ("kl", "passkey")
+TASKS = ("kl", *VARIANTS)
 
 
 def parse_ints(text: str, option: str) -> List[int]:
@@ -35,6 +35,12 @@ def parse_depths(text: str) -> List[float]:
     if not values or any(not 0.0 <= v <= 1.0 for v in values):
         raise PnMixError(f"--depths must be a comma list of numbers in [0, 1], got {text!r}")
     return values
+
+
+def parse_haystack(text: str) -> str:
+    if text not in HAYSTACKS:
+        raise PnMixError(f"--haystack must be one of {', '.join(HAYSTACKS)}, got {text!r}")
+    return text
 
 
 def parse_tasks(text: str) -> List[str]:
@@ -68,7 +74,8 @@ def check_positions(model_config: Any, source_name: str, contexts: Sequence[int]
 # ---- the command ------------------------------------------------------------------------------
 def eval_command(model: Optional[str], methods: Optional[str], config: Optional[Path], task: str,
                  contexts: str, decode_tokens: int, text: Optional[Path], lengths: str, depths: str,
-                 trials: int, seed: int, dtype: str, json_path: Optional[Path], plot: Optional[Path]) -> int:
+                 trials: int, seed: int, dtype: str, json_path: Optional[Path], plot: Optional[Path],
+                 haystack_name: str = "classic") -> int:
     if methods is not None and methods.strip() == "list":
         print(methods_table())
         return 0
@@ -76,7 +83,9 @@ def eval_command(model: Optional[str], methods: Optional[str], config: Optional[
         raise PnMixError("MODEL is missing: a Hugging Face folder, a .gguf file or smollm2-135m")
     tasks = parse_tasks(task)
     context_list = parse_ints(contexts, "--contexts") if "kl" in tasks else []
-    length_list = parse_ints(lengths, "--lengths") if "passkey" in tasks else []
+    variants = [VARIANTS[t] for t in tasks if t in VARIANTS]
+    length_list = parse_ints(lengths, "--lengths") if variants else []
+    parse_haystack(haystack_name)
     depth_list = parse_depths(depths)
     if decode_tokens < 1:
         raise PnMixError(f"--decode-tokens must be at least 1, got {decode_tokens}")
@@ -103,8 +112,10 @@ def eval_command(model: Optional[str], methods: Optional[str], config: Optional[
     if context_list and len(ids) < longest:
         raise PnMixError(f"the text has {len(ids)} tokens ({tokens.name}); --contexts {max(context_list)} "
                          f"+ --decode-tokens {decode_tokens} needs {longest}")
+    filler = passkey_filler(haystack_name, tokens, ids, length_list)
     for length in length_list:  # a too-short text or length fails before the model loads
-        haystack(tokens, ids, length, 0.5, "00000")
+        for variant in variants:
+            haystack(tokens, filler, length, 0.5, "0" * variant.key_digits, variant.answer_tokens)
     register()
     lm = load_causal_lm(source, dtype, model_config=model_config)
     progress = _progress()
@@ -113,7 +124,8 @@ def eval_command(model: Optional[str], methods: Optional[str], config: Optional[
         id_tensor = torch.tensor([ids[:longest]], dtype=torch.long, device=lm.device)
         for context in context_list:
             results += kl_task(lm, method_list, id_tensor, context, decode_tokens, progress)
-    passkey = passkey_task(lm, method_list, tokens, ids, length_list, depth_list, trials, seed, progress)
+    passkey = [row for variant in variants for row in passkey_task(
+        lm, method_list, tokens, filler, length_list, depth_list, trials, seed, progress, variant)]
     report = {"model": source.name, "results": results, "passkey": passkey}
     check_finite(report, source.name)
     print_tables(report)
@@ -122,6 +134,11 @@ def eval_command(model: Optional[str], methods: Optional[str], config: Optional[
     if plot is not None:
         write_bytes_atomic(plot, render_plot(report))
     return 0
+
+
+def passkey_filler(name: str, tokens, ids: List[int], lengths: Sequence[int]) -> Filler:
+    """The haystack: the classic repeated sentence, as long as the longest length needs, or the text."""
+    return classic_filler(tokens, max(lengths, default=0)) if name == "classic" else text_filler(ids)
 
 
 def check_finite(report: Dict[str, Any], model: str) -> None:

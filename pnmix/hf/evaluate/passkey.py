@@ -1,6 +1,7 @@
-"""Task ``passkey``: a haystack of text with a pass-key sentence at a depth is the prefill, the
-question goes through the decode path token by token, then greedy generation; a trial is right when
-the first number generated is the key."""
+"""Task ``passkey`` (and its harder variant ``passkey-long``): a haystack with a pass-key sentence at a
+depth is the prefill, the question goes through the decode path token by token, then greedy
+generation; a trial is right when the first number generated is the key. A cell (length, depth)
+where the full-precision reference itself fails is flagged: there the task does not test the cache."""
 
 from __future__ import annotations
 
@@ -20,11 +21,34 @@ HEADER = ("There is an important info hidden inside a lot of irrelevant text. Fi
           "I will quiz you about the important information there.\n")
 NEEDLE = "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
 QUESTION = "\nWhat is the pass key? The pass key is"
-ANSWER_TOKENS = 8  # room for a 5-digit key however the tokenizer splits it
+# The classic haystack of the passkey papers (Mohtashami & Jaggi 2023; LongLoRA): one filler
+# sentence repeated, so that the needle is the only information in the prompt.
+CLASSIC_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+HAYSTACKS = ("classic", "text")
+REFERENCE_PASS = 0.9  # a cell whose reference is right on fewer of its trials is flagged
 
 
-def passkey_key(seed: int, length: int, depth: float, trial: int) -> str:
-    return str(random.Random(f"{seed}:{length}:{depth}:{trial}").randint(10000, 99999))
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One passkey task: its name and how many digits its keys have."""
+
+    task: str
+    key_digits: int
+
+    @property
+    def answer_tokens(self) -> int:
+        return self.key_digits + 3  # room for the key however the tokenizer splits it, and what ends it
+
+
+# passkey-long: 20-digit keys. The 5-digit key is one token-level copy that a 2-bit cache mostly
+# survives; 20 digits must all be copied right, so an attention that drifts by one digit fails
+# the trial (docs/EVAL.md says why this variant and not several needles).
+VARIANTS = {v.task: v for v in (Variant("passkey", 5), Variant("passkey-long", 20))}
+
+
+def passkey_key(seed: int, length: int, depth: float, trial: int, digits: int = 5) -> str:
+    tail = "" if digits == 5 else f":{digits}"  # the 5-digit keys of earlier runs unchanged
+    return str(random.Random(f"{seed}:{length}:{depth}:{trial}{tail}").randint(10 ** (digits - 1), 10 ** digits - 1))
 
 
 def first_number(text: str) -> Optional[str]:
@@ -32,29 +56,54 @@ def first_number(text: str) -> Optional[str]:
     return found.group(0) if found else None
 
 
+@dataclasses.dataclass(frozen=True)
+class Filler:
+    """The haystack's tokens; the needle goes in between units (the classic filler's whole sentences,
+    or any token of a text: unit 1)."""
+
+    ids: List[int]
+    unit: int
+    name: str
+
+
+def classic_filler(text, tokens: int) -> Filler:
+    """CLASSIC_FILLER repeated to at least ``tokens`` tokens (each repeat tokenized alike)."""
+    unit = text.encode(" " + CLASSIC_FILLER)
+    return Filler(unit * (tokens // len(unit) + 1), len(unit), "classic")
+
+
+def text_filler(ids: List[int]) -> Filler:
+    return Filler(list(ids), 1, "text")
+
+
 @dataclasses.dataclass
 class Haystack:
     """A passkey sequence of ``length`` tokens in all: haystack (prefix, needle, rest), question,
-    and ANSWER_TOKENS of room for the answer."""
+    and the variant's answer tokens of room for the answer."""
 
     prefix: List[int]   # header + the filler before the needle: shared by every key at this depth
     suffix: List[int]   # needle + the rest of the filler
     question: List[int]
 
 
-def haystack(text, filler: List[int], length: int, depth: float, key: str) -> Haystack:
+def needle_position(room: int, depth: float, unit: int) -> int:
+    """Filler tokens before the needle: depth of the filler, rounded to a whole unit."""
+    return min(int(round(depth * room / unit)), room // unit) * unit
+
+
+def haystack(text, filler: Filler, length: int, depth: float, key: str, answer_tokens: int = 8) -> Haystack:
     header, needle, question = text.encode(HEADER), text.encode(NEEDLE.format(key=key)), text.encode(QUESTION)
-    room = length - len(header) - len(needle) - len(question) - ANSWER_TOKENS
+    room = length - len(header) - len(needle) - len(question) - answer_tokens
     if room < 1:
         raise PnMixError(f"--lengths {length} is too short for the passkey prompt "
                          f"({length - room + 1} tokens at least)")
-    if room > len(filler):
-        raise PnMixError(f"--lengths {length} needs {room} filler tokens; the text has {len(filler)}")
-    at = int(round(depth * room))
-    return Haystack(header + filler[:at], needle + filler[at:room], question)
+    if room > len(filler.ids):
+        raise PnMixError(f"--lengths {length} needs {room} filler tokens; the text has {len(filler.ids)}")
+    at = needle_position(room, depth, filler.unit)
+    return Haystack(header + filler.ids[:at], needle + filler.ids[at:room], question)
 
 
-def answer(model, method: Method, prefill: Prefill, question: List[int], text) -> str:
+def answer(model, method: Method, prefill: Prefill, question: List[int], text, answer_tokens: int) -> str:
     """The question token by token, then greedy tokens (stopping once a number is complete)."""
     cache = seeded_cache(method, model.config, prefill)
     reuse_dequantized(cache)  # not timed
@@ -62,7 +111,7 @@ def answer(model, method: Method, prefill: Prefill, question: List[int], text) -
         for t in question:
             logp = decode_step(model, cache, t)
         generated: List[int] = []
-        while len(generated) < ANSWER_TOKENS:
+        while len(generated) < answer_tokens:
             generated.append(int(logp.argmax()))
             said = text.decode(generated)
             if re.search(r"\d+\D", said):
@@ -71,25 +120,34 @@ def answer(model, method: Method, prefill: Prefill, question: List[int], text) -
     return text.decode(generated)
 
 
-def passkey_task(model, methods: List[Method], text, filler: List[int], lengths: Sequence[int],
-                 depths: Sequence[float], trials: int, seed: int,
-                 progress: Callable[[str], None]) -> List[Dict[str, Any]]:
+def cell_rows(variant: Variant, filler: Filler, methods: List[Method], length: int, depth: float,
+              right: Dict[str, int], trials: int) -> List[Dict[str, Any]]:
+    """One cell's rows; methods[0] is the reference, and its accuracy flags the cell."""
+    reference = right[methods[0].name] / trials
+    return [{"task": variant.task, "haystack": filler.name, "key_digits": variant.key_digits, "method": m.name,
+             "length": length, "depth": depth, "accuracy": right[m.name] / trials, "trials": trials,
+             "reference_accuracy": reference, "reference_fails": reference < REFERENCE_PASS} for m in methods]
+
+
+def passkey_task(model, methods: List[Method], text, filler: Filler, lengths: Sequence[int],
+                 depths: Sequence[float], trials: int, seed: int, progress: Callable[[str], None],
+                 variant: Variant = VARIANTS["passkey"]) -> List[Dict[str, Any]]:
     rows = []
     for length in lengths:
         for depth in depths:
             right = {m.name: 0 for m in methods}
             shared: Optional[Prefill] = None
             for trial in range(trials):
-                key = passkey_key(seed, length, depth, trial)
-                hay = haystack(text, filler, length, depth, key)
+                key = passkey_key(seed, length, depth, trial, variant.key_digits)
+                hay = haystack(text, filler, length, depth, key, variant.answer_tokens)
                 if shared is None:  # the filler before the needle does not depend on the key
                     shared = run_prefill(model, torch.tensor([hay.prefix], device=model.device))
                 prefill = run_prefill(model, torch.tensor([hay.suffix], device=model.device), start=shared)
                 for method in methods:
-                    said = answer(model, method, prefill, hay.question, text)
+                    said = answer(model, method, prefill, hay.question, text, variant.answer_tokens)
                     right[method.name] += first_number(said) == key
-            rows += [{"method": m.name, "length": length, "depth": depth, "accuracy": right[m.name] / trials,
-                      "trials": trials} for m in methods]
-            progress(f"passkey L={length} d={depth}: "
-                     + ", ".join(f"{m.name} {right[m.name]}/{trials}" for m in methods))
+            rows += cell_rows(variant, filler, methods, length, depth, right, trials)
+            flag = "  (the reference fails here)" if rows[-1]["reference_fails"] else ""
+            progress(f"{variant.task} L={length} d={depth}: "
+                     + ", ".join(f"{m.name} {right[m.name]}/{trials}" for m in methods) + flag)
     return rows

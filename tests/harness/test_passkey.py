@@ -1,0 +1,138 @@
+"""`pnmix eval --task passkey|passkey-long`: the classic haystack, where the needle sits, the long keys,
+the flag on a cell the full-precision reference fails, and the options' one-line errors (a tiny
+random Llama: seconds)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers", reason="transformers 5.x is the optional `hf` extra")
+
+from typer.testing import CliRunner  # noqa: E402
+
+from pnmix.cli import app  # noqa: E402
+from pnmix.hf.evaluate.inputs import Text  # noqa: E402
+from pnmix.hf.evaluate.methods import METHODS, REFERENCE  # noqa: E402
+from pnmix.hf.evaluate.passkey import (  # noqa: E402
+    CLASSIC_FILLER, HEADER, NEEDLE, REFERENCE_PASS, VARIANTS, cell_rows, classic_filler, haystack, passkey_key,
+    text_filler,
+)
+from pnmix.testing import tiny_llama  # noqa: E402
+
+BYTES = Text()  # UTF-8 bytes as ids: a token is a character, so positions read as text
+
+
+def invoke(*args):
+    result = CliRunner().invoke(app, ["eval", *map(str, args)])
+    return result, [line for line in result.output.splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model = tiny_llama(seed=3)
+    model.config.max_position_embeddings = 1024
+    model.save_pretrained(path)
+    return path
+
+
+def test_the_classic_haystack_is_the_filler_sentence_repeated():
+    filler = classic_filler(BYTES, 2000)
+    assert filler.name == "classic" and filler.unit == len(" " + CLASSIC_FILLER) and len(filler.ids) >= 2000
+    text = BYTES.decode(filler.ids)
+    assert text == (" " + CLASSIC_FILLER) * (len(filler.ids) // filler.unit)
+    assert text.count("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.") \
+        == len(filler.ids) // filler.unit
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0])
+def test_the_needle_sits_at_its_depth_between_two_filler_sentences(depth):
+    filler = classic_filler(BYTES, 3000)
+    key = passkey_key(0, 2000, depth, 0)
+    hay = haystack(BYTES, filler, 2000, depth, key, VARIANTS["passkey"].answer_tokens)
+    header, needle = BYTES.encode(HEADER), BYTES.encode(NEEDLE.format(key=key))
+    room = len(hay.prefix) + len(hay.suffix) - len(header) - len(needle)
+    before = len(hay.prefix) - len(header)
+    assert hay.prefix[:len(header)] == header and hay.suffix[:len(needle)] == needle
+    assert before % filler.unit == 0 and abs(before - depth * room) <= filler.unit  # whole sentences before it
+    assert BYTES.decode(hay.prefix[len(header):]).count(CLASSIC_FILLER) == before // filler.unit
+    if before < room - filler.unit:
+        assert BYTES.decode(hay.suffix[len(needle):]).startswith(" " + CLASSIC_FILLER)
+    assert len(hay.prefix) + len(hay.suffix) + len(hay.question) + VARIANTS["passkey"].answer_tokens == 2000
+
+
+def test_a_text_haystack_puts_the_needle_at_the_token_of_its_depth():
+    ids = BYTES.encode("To be, or not to be, that is the question. " * 80)
+    hay = haystack(BYTES, text_filler(ids), 1500, 0.3, "12345")
+    header, needle = BYTES.encode(HEADER), BYTES.encode(NEEDLE.format(key="12345"))
+    room = 1500 - len(header) - len(needle) - len(hay.question) - 8
+    assert hay.prefix == header + ids[:round(0.3 * room)]
+    assert hay.suffix == needle + ids[round(0.3 * room):room]
+
+
+def test_long_keys_have_every_digit_and_differ_per_trial():
+    digits = VARIANTS["passkey-long"].key_digits
+    keys = [passkey_key(0, 4096, 0.5, trial, digits) for trial in range(10)]
+    assert all(len(k) == digits and k.isdigit() and k[0] != "0" for k in keys) and len(set(keys)) == 10
+    assert keys == [passkey_key(0, 4096, 0.5, trial, digits) for trial in range(10)]  # seeded
+    assert len(passkey_key(0, 4096, 0.5, 0)) == 5 and VARIANTS["passkey-long"].answer_tokens > digits
+
+
+@pytest.mark.parametrize("reference_right, flagged", [(10, False), (9, False), (8, True), (0, True)])
+def test_a_cell_is_flagged_where_the_reference_is_right_on_fewer_than_nine_in_ten(reference_right, flagged):
+    methods = [METHODS[REFERENCE], METHODS["pnmix"], METHODS["kivi2-g128"]]
+    right = {REFERENCE: reference_right, "pnmix": 10, "kivi2-g128": 3}
+    rows = cell_rows(VARIANTS["passkey"], classic_filler(BYTES, 100), methods, 4096, 0.5, right, 10)
+    assert [r["method"] for r in rows] == [REFERENCE, "pnmix", "kivi2-g128"]
+    assert [r["accuracy"] for r in rows] == [reference_right / 10, 1.0, 0.3]
+    assert all(r["reference_fails"] is flagged and r["reference_accuracy"] == reference_right / 10 for r in rows)
+    assert (reference_right / 10 < REFERENCE_PASS) is flagged
+
+
+def test_both_tasks_on_a_random_model_report_and_flag_the_reference(tiny_dir, tmp_path):
+    out = tmp_path / "pk.json"
+    result, lines = invoke(tiny_dir, "--task", "passkey,passkey-long", "--methods", "pnmix", "--lengths", 600,
+                           "--depths", "0.2,0.8", "--trials", 2, "--json", out)
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())["passkey"]
+    assert {(r["task"], r["key_digits"]) for r in rows} == {("passkey", 5), ("passkey-long", 20)}
+    assert all(r["haystack"] == "classic" and r["trials"] == 2 for r in rows)
+    for row in rows:
+        reference = next(r for r in rows if r["method"] == REFERENCE and r["task"] == row["task"]
+                         and r["depth"] == row["depth"] and r["length"] == row["length"])
+        assert row["reference_accuracy"] == reference["accuracy"]
+        assert row["reference_fails"] == (reference["accuracy"] < REFERENCE_PASS)
+    flagged = [r for r in rows if r["reference_fails"]]
+    assert bool(flagged) == ("the reference fails at" in result.output)
+    for row in flagged:  # the table names the failed cells
+        assert f"d={row['depth']:g}" in result.output
+
+
+def test_the_text_haystack_reads_the_text(tiny_dir, tmp_path):
+    text, out = tmp_path / "hay.txt", tmp_path / "pk.json"
+    text.write_text("Some words about nothing at all. " * 60)
+    result, _ = invoke(tiny_dir, "--task", "passkey", "--haystack", "text", "--text", text, "--methods", "pnmix",
+                       "--lengths", 500, "--depths", 0.5, "--trials", 1, "--json", out)
+    assert result.exit_code == 0, result.output
+    assert {r["haystack"] for r in json.loads(out.read_text())["passkey"]} == {"text"}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--haystack", "hamlet"], "--haystack must be one of classic, text, got 'hamlet'"),
+    (["--trials", 0], "--trials must be at least 1"),
+    (["--task", "passkey-longer"], "--task must be a comma list of kl, passkey, passkey-long"),
+    (["--lengths", 200], "--lengths 200 is too short for the passkey prompt"),
+    (["--task", "passkey-long", "--lengths", 290], "--lengths 290 is too short for the passkey prompt"),
+    (["--haystack", "text", "--text", "SHORT"], "the text has"),
+    (["--depths", "0.5,x"], "--depths must be a comma list of numbers in [0, 1]"),
+])
+def test_bad_passkey_options_are_one_line(args, message, tiny_dir, tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("To be, or not to be.")
+    args = [short if a == "SHORT" else a for a in args]
+    result, lines = invoke(tiny_dir, "--task", "passkey", "--lengths", 600, *args)
+    assert result.exit_code == 2, result.output
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.output
+    assert "Traceback" not in result.output
