@@ -449,6 +449,30 @@ def eval_model(
                         seed=seed, dtype=dtype, json_path=json_path, plot=plot, haystack_name=haystack)
 
 
+@command(app)
+def tune(
+    model: str = typer.Argument(..., help=f"The LLM ({MODEL_KINDS})."),
+    bits: float = typer.Option(..., help="The budget: bits per K/V element the cache may hold (measured bytes)."),
+    context: int = typer.Option(defaults.TUNE_CONTEXT, help="Calibration prefill length P in tokens."),
+    decode_tokens: int = typer.Option(defaults.TUNE_DECODE_TOKENS, help="Teacher-forced decode steps D after the prefill."),
+    text: Optional[Path] = typer.Option(None, help="The calibration text, UTF-8 (default: the bundled Hamlet)."),
+    budget_evals: int = typer.Option(defaults.TUNE_BUDGET_EVALS, help="Search budget: full candidate evaluations' "
+                                                                       "worth of decode steps (presets besides)."),
+    dtype: str = typer.Option(defaults.EVAL_DTYPE, help="fp32, fp16 or bf16 model weights."),
+    json_path: JsonOut = None,
+    config_out: Optional[Path] = typer.Option(None, help="Write the winning config here (the file `pnmix eval --config` takes)."),
+    plot: Optional[Path] = typer.Option(None, help="Draw the Pareto front with the presets into this PNG (needs matplotlib)."),
+) -> int:
+    """The pn-mix config with the lowest KL vs full precision within a bits-per-element budget, on your model."""
+    from .io import check_distinct_outputs
+
+    check_distinct_outputs(json=json_path, config_out=config_out, plot=plot)
+    from .hf.evaluate.tune import tune_command
+
+    return tune_command(model=model, bits=bits, context=context, decode_tokens=decode_tokens, text=text,
+                        budget_evals=budget_evals, dtype=dtype, json_path=json_path, config_out=config_out, plot=plot)
+
+
 def main_entry() -> int:
     """The console-script entry point: the app without click's standalone handling, so that a
     usage error (unknown option, a value that is not an integer) is one `error:` line with exit 2

@@ -27,3 +27,7 @@ EVAL_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)  # task passkey: where the key sits, 0 (
 EVAL_TRIALS = 10  # task passkey: seeded keys per (length, depth) cell
 EVAL_HAYSTACK = "classic"  # task passkey: classic (the repeated filler sentence) or text
 EVAL_DTYPE = "fp32"  # the model's weights
+
+TUNE_CONTEXT = 4096  # `pnmix tune`: the calibration prefill P
+TUNE_DECODE_TOKENS = 128  # teacher-forced steps after it, scored against the reference
+TUNE_BUDGET_EVALS = 24  # full candidate evaluations' worth of decode steps (the presets besides)
