@@ -372,6 +372,22 @@ def bench_generate(
                                   json_path=json_path)
 
 
+@command(bench_app, "batch")
+def bench_batch(
+    model: str = typer.Option("smollm2-135m", help=f"The LLM ({MODEL_KINDS})."),
+    lengths: str = typer.Option(",".join(map(str, defaults.BENCH_BATCH_LENGTHS)), help="Comma-separated prompt lengths: one row each."),
+    new_tokens: int = typer.Option(32, help="Greedy tokens per row."),
+    caches: str = typer.Option("dynamic,pnmix", help="Comma list of caches: dynamic (the control), pnmix."),
+    threads: Threads = None,
+    json_path: JsonOut = None,
+) -> int:
+    """A left-padded batch through generate: each row vs its prompt alone, batch vs batch-1 tokens/s."""
+    from .bench.batch import batch_command
+
+    return batch_command(model=model, lengths=lengths, new_tokens=new_tokens, caches=caches, threads=threads,
+                         json_path=json_path)
+
+
 @command(bench_app, "onnx")
 def bench_onnx(
     max_seq_len: MaxSeqLen = defaults.EXPORT_MAX_SEQ_LEN,

@@ -12,6 +12,7 @@ VERIFY_LLM_PROMPT_TOKENS = 32  # `pnmix verify --model`: one prefill of this man
 VERIFY_LLM_DECODE_TOKENS = 8  # then this many greedy decode steps, each checked
 
 BENCH_REPEATS = 20  # timed repetitions per implementation / decode steps
+BENCH_BATCH_LENGTHS = (87, 423, 377, 947)  # `pnmix bench batch`: the prompts of the left-padded batch
 BENCH_LLM_CONTEXTS = (512, 2048, 4096)  # `pnmix bench onnx --model`: contexts timed
 DECODE_CONTEXT = 32768  # `pnmix bench decode`: tokens in the cache
 DECODE_BATCH = 1
