@@ -30,7 +30,7 @@ from ..config import MAX_SEQ_LEN, PnMixConfig
 from ..errors import PnMixError, PnMixValueError
 from ._deps import require_transformers
 from .layer_step import Step, _last_step, batch_rows, check_repeats, take_step  # noqa: F401 (take_step: attention.py)
-from .models import resolve_config
+from .models import calling_model_config, pair_layout_for, resolve_config
 
 require_transformers()
 from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: E402
@@ -414,6 +414,10 @@ class PnMixCache(Cache):
     def __init__(self, config: Optional[PnMixConfig] = None, *, max_cache_len: Optional[int] = None,
                  backend: Optional[str] = None, model_config: Any = None, **overrides: Any):
         self.config = resolve_config(config, overrides, model_config)
+        # Without the model's config or a layout of the user's, the first update takes the layout
+        # of the model that calls it (adopt_model_layout).
+        self.layout_open = model_config is None and config is None and "pair_layout" not in overrides
+        self.model_checked = model_config is not None
         if max_cache_len is not None and (isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int)
                                           or max_cache_len < 1):
             raise PnMixError(f"max_cache_len must be a positive integer, got {max_cache_len!r}")
@@ -444,12 +448,27 @@ class PnMixCache(Cache):
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx <= made:
             raise PnMixError(f"layer_idx must be an integer 0..{made} (layers are made in order from 0), "
                              f"got {layer_idx!r}")
+        if not self.model_checked:
+            self.adopt_model_layout(calling_model_config())
         layer = self.pnmix_layers[layer_idx] if layer_idx < made else self._new_layer(layer_idx, key_states, kwargs)
         layer.record_past = layer.record_past or self.record_past
         out = layer.update(key_states, value_states, *args, **kwargs)
         if layer_idx == made:
             self.layers.append(layer)
         return out
+
+    def adopt_model_layout(self, model_config: Any) -> None:
+        """Before the first layer is made: the RoPE pair layout of the model that updates the cache
+        (found on the call stack when no model_config was given). A default layout follows the
+        model; one the user chose and the model contradicts is refused, as with model_config. On
+        the dequantized path nothing else would notice: the saliency would pair the wrong channels."""
+        if model_config is None or self.layers:
+            return
+        if self.layout_open:  # the user's other fields stay
+            self.config = self.config.replace(pair_layout=pair_layout_for(model_config))
+        else:
+            resolve_config(self.config, {}, model_config)  # raises on a contradiction
+        self.model_checked = True
 
     # Beam search and batch expansion: every layer's new state is built (and the arguments checked)
     # before any layer takes it, so a refused call, or one that runs out of memory, changes nothing.

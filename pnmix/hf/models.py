@@ -485,6 +485,27 @@ def pair_layout_for(model_config: Any = None) -> str:
     return "adjacent" if model_type in INTERLEAVED_MODEL_TYPES else HF_PAIR_LAYOUT
 
 
+def calling_model_config(depth: int = 8) -> Any:
+    """The config of the model module whose forward is calling in (the attention layer that calls
+    ``cache.update``), from the nearest frames of the call stack; None when none of them is a
+    torch module with a transformers config. A cache is handed no reference to its model: this
+    is how it learns the model's family when the user gave no model_config."""
+    import sys
+
+    import torch
+
+    frame: Any = sys._getframe(1)
+    for _ in range(depth):
+        frame = frame.f_back
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        config = getattr(owner, "config", None)
+        if isinstance(owner, torch.nn.Module) and isinstance(getattr(config, "model_type", None), str):
+            return config
+    return None
+
+
 def resolve_config(config: Optional[PnMixConfig], overrides: dict, model_config: Any = None) -> PnMixConfig:
     """The cache's config: the model's pair layout by default; a contradicting layout is an error."""
     want = pair_layout_for(model_config)

@@ -208,6 +208,39 @@ def test_pair_layout_contradicting_the_model_is_refused():
         PnMixCache(model_config=GPTJConfig(), pair_layout="half")
 
 
+def tiny_gptj():
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    torch.manual_seed(0)
+    config = GPTJConfig(vocab_size=256, n_positions=1024, n_embd=64, n_layer=2, n_head=2, rotary_dim=32,
+                        bos_token_id=None, eos_token_id=None)
+    return GPTJForCausalLM(config).eval()
+
+
+def test_a_cache_without_model_config_takes_the_layout_of_the_model_that_updates_it(model):
+    """GPT-J rotates interleaved pairs: on the dequantized path nothing else would notice a cache
+    pairing rotate_half's channels. The first update finds the calling model's family."""
+    gptj, ids = tiny_gptj(), tokens(300)
+    found, given = PnMixCache(sink_tokens=8), PnMixCache(model_config=gptj.config, sink_tokens=8)
+    assert found.config.pair_layout == "half"  # before any update: nothing known of the model
+    with torch.no_grad():
+        logits = [gptj(input_ids=ids, cache=c).logits for c in (found, given)]
+        step = [gptj(input_ids=ids[:, :1], cache=c).logits for c in (found, given)]
+    assert found.config.pair_layout == given.config.pair_layout == "adjacent"
+    assert found.config == given.config  # the other fields as the user gave them
+    assert torch.equal(found.layers[0].packed.state["pair_mask"], given.layers[0].packed.state["pair_mask"])
+    assert torch.equal(logits[0], logits[1]) and torch.equal(step[0], step[1])
+    # a layout the user chose and the model contradicts is refused, before any layer is made
+    chosen = PnMixCache(pair_layout="half")
+    with pytest.raises(PnMixError, match="interleaved"), torch.no_grad():
+        gptj(input_ids=ids, cache=chosen)
+    assert len(chosen.layers) == 0
+    llama = PnMixCache()
+    with torch.no_grad():
+        model(input_ids=tokens(20), cache=llama)
+    assert llama.config.pair_layout == "half"
+
+
 def test_leaving_the_pnmix_attention_mid_sequence_is_refused(model):
     cache = PnMixCache()
     with torch.no_grad():
