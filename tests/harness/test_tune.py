@@ -71,6 +71,15 @@ def test_neighbours_are_valid_distinct_canonical_configs_one_or_two_knobs_away(s
         assert 1 <= len(moved) <= 3, moved  # a step, a trade, or a larger group with its residual
 
 
+def test_two_moves_away_are_the_neighbours_and_their_neighbours(space):
+    config = space.canonical(knob_fields(pnmix_config(METHODS["pnmix"], space.model_config)))
+    one = {key(n) for n in space.neighbours(config)}
+    two = {key(n) for n in space.around(config, 2)}
+    assert {key(n) for n in space.around(config, 1)} == one
+    assert one < two and key(config) not in two
+    assert two == (one | {key(m) for n in space.neighbours(config) for m in space.neighbours(n)}) - {key(config)}
+
+
 def test_predicted_bits_are_what_the_cache_holds(tiny_dir, tmp_path):
     """Space.bits (before any decode) against the bytes `pnmix eval` measures, for a config off the presets."""
     config = {"value_bits": 3, "key_high_bits": 4, "key_low_bits": 2, "high_ratio": 0.25, "group_size": 64,

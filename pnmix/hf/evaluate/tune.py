@@ -11,7 +11,8 @@ The search is coordinate descent over KNOBS. Each sweep screens neighbours of th
 (one knob one step, or one knob a step up and another a step down: a trade that keeps the bytes near
 the budget), those that use the most of the budget first, on the first quarter of the decode
 steps; the best screened neighbours are decoded in full and the best full result becomes the
-current config. A neighbour's bits are known before it runs (format.CacheLayout's byte count), so
+current config. When every neighbour within the budget has been tried, the neighbours' neighbours
+are (MAX_RADIUS): at the budget most single moves do not fit. A neighbour's bits are known before it runs (format.CacheLayout's byte count), so
 no decode is spent on a config over the budget. The budget counts decode steps: --budget-evals K
 full evaluations' worth (a screen is a quarter of one), the presets besides.
 """
@@ -54,6 +55,7 @@ KNOBS: Dict[str, Tuple[Any, ...]] = {
 }
 SCREENS_PER_SWEEP = 6  # neighbours screened per sweep
 CONFIRMS_PER_SWEEP = 2  # of those, decoded in full when they beat the current config on the screen
+MAX_RADIUS = 2  # neighbour moves: when every neighbour is tried, the neighbours' neighbours
 PRESETS = tuple(name for name, m in METHODS.items() if m.cache == "pnmix")
 
 
@@ -151,6 +153,17 @@ class Space:
                     found.setdefault(key(moved), moved)
         return list(found.values())
 
+    def around(self, config: PnMixConfig, radius: int) -> List[PnMixConfig]:
+        """The configs up to ``radius`` neighbour moves away (1: the neighbours; 2: theirs too, so
+        that a config at the budget can reach one behind two trades)."""
+        found = {key(n): n for n in self.neighbours(config)}
+        for _ in range(radius - 1):
+            for n in list(found.values()):
+                for m in self.neighbours(n):
+                    found.setdefault(key(m), m)
+        found.pop(key(self.canonical(knob_fields(config)) or config), None)
+        return list(found.values())
+
     def lowest(self) -> Tuple[float, PnMixConfig]:
         """The fewest bits any config of KNOBS reaches: bits grow with every knob but group_size,
         whose scales fall as its residual grows, so the lowest is one of the groups' 1-bit configs."""
@@ -223,11 +236,16 @@ class Tuner:
         if current is None:
             return self.winner()
         tried = {key(self.space.canonical(knob_fields(c.config)) or c.config) for c in self.full.values()}
+        radius = 1
         while True:
-            fresh = [n for n in self.space.neighbours(current.config)
+            fresh = [n for n in self.space.around(current.config, radius)
                      if key(n) not in tried and self.space.bits(n) <= self.budget_bits]
+            if not fresh and radius < MAX_RADIUS:  # every neighbour tried: look one move further
+                radius += 1
+                self.progress(f"tune: every neighbour of {current.name} tried; now {radius} moves away")
+                continue
             if not fresh:
-                self.progress(f"tune: no untried neighbour of {current.name} within the budget: done")
+                self.progress(f"tune: no untried config within {radius} moves of {current.name} and the budget: done")
                 break
             fresh.sort(key=lambda n: (-self.space.bits(n), describe(n)))
             batch = fresh[:SCREENS_PER_SWEEP]
@@ -246,6 +264,7 @@ class Tuner:
                 if full.bits_per_element <= self.budget_bits and full.kl < current.kl:
                     current, moved = full, True
             if moved:
+                radius = 1
                 self.progress(f"tune: now at {current.name}, KL {current.kl:.4g}")
             if not self.affords(self.screen_steps) or (better and not self.affords(self.steps)):
                 self.progress("tune: the budget of decode steps is spent")
