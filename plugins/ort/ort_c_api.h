@@ -16,7 +16,8 @@
  * Versions: libpnmix_ort needs OrtApi version PNMIX_ORT_API_MIN (16, ONNX Runtime 1.16: the
  * custom op's CreateKernelV2/KernelComputeV2, which return an OrtStatus instead of throwing).
  * It uses KernelInfo_GetConfigEntries only when the runtime offers PNMIX_ORT_API_CONFIG_ENTRIES
- * (24, ONNX Runtime 1.24).
+ * (24, ONNX Runtime 1.24), and KernelContext_ParallelFor only from PNMIX_ORT_API_PARALLEL_FOR
+ * (17, ONNX Runtime 1.17).
  *
  * With -DONNXRUNTIME_INCLUDE_DIR=<dir holding onnxruntime_c_api.h>, CMake defines
  * PNMIX_ORT_OFFICIAL_HEADER and this file includes the official header instead;
@@ -28,6 +29,7 @@
 #define PNMIX_ORT_API_MIN 16            /* CreateKernelV2 / KernelComputeV2 */
 #define PNMIX_ORT_API_MIN_RELEASE "1.16"
 #define PNMIX_ORT_API_CONFIG_ENTRIES 24 /* KernelInfo_GetConfigEntries */
+#define PNMIX_ORT_API_PARALLEL_FOR 17   /* KernelContext_ParallelFor */
 
 #ifdef PNMIX_ORT_OFFICIAL_HEADER
 #include <onnxruntime_c_api.h>
@@ -462,7 +464,7 @@ struct OrtApi {
   /* 271 */ OrtUnusedSlot SetSymbolicDimensions;
   /* 272 */ OrtUnusedSlot ReadOpAttr;
   /* 273 */ OrtUnusedSlot SetDeterministicCompute;
-  /* 274 */ OrtUnusedSlot KernelContext_ParallelFor;
+  /* 274 */ ORT_API2_STATUS(KernelContext_ParallelFor, const OrtKernelContext* context, void (*fn)(void*, size_t), size_t total, size_t num_batch, void* usr_data);
   /* 275 */ OrtUnusedSlot SessionOptionsAppendExecutionProvider_OpenVINO_V2;
   /* 276 */ OrtUnusedSlot SessionOptionsAppendExecutionProvider_VitisAI;
   /* 277 */ OrtUnusedSlot KernelContext_GetScratchBuffer;
@@ -677,6 +679,7 @@ struct OrtCustomOp {
   X(HasSessionConfigEntry) \
   X(GetSessionConfigEntry) \
   X(GetKeyValue) \
+  X(KernelContext_ParallelFor) \
   X(ReleaseKeyValuePairs) \
   X(KernelInfo_GetConfigEntries)
 

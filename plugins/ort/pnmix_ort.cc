@@ -9,7 +9,10 @@
 // no second implementation here. Every failure is an OrtStatus with ONE line
 // "pnmix <OpName>: <reason>"; nothing throws or aborts across the C boundary.
 //
-// Threads: pnmix_attend runs on the core's own pool. Its size is the session config entry
+// Threads: the attention's work items run on ONNX Runtime's own intra-op pool
+// (KernelContext_ParallelFor, ONNX Runtime 1.17 and newer; pnmix_attend_on), whose threads are
+// awake between the graph's kernels, so a second pool never competes with them for the cores;
+// older runtimes get the core's own pool. The split is made for the session config entry
 // `pnmix.threads` (read through KernelInfo_GetConfigEntries, ONNX Runtime 1.24 and newer), else
 // the environment variable PNMIX_ORT_THREADS; 0 or unset: all cores.
 #include <stdarg.h>
@@ -34,10 +37,13 @@ namespace {
 constexpr const char* kDomain = PNMIX_OP_DOMAIN;  // generated.h, from export/ops.py
 constexpr const char* kThreadsKey = "pnmix.threads";
 constexpr const char* kThreadsEnv = "PNMIX_ORT_THREADS";
+constexpr const char* kOwnPoolEnv = "PNMIX_ORT_OWN_POOL";  // set: the core's own pool, for comparison
 constexpr int kMaxRank = 8;
 
-// Whether the runtime has KernelInfo_GetConfigEntries (decided once, at registration).
+// Whether the runtime has KernelInfo_GetConfigEntries, and its API table with
+// KernelContext_ParallelFor or null (decided once, at registration).
 bool g_has_config_entries = false;
+const OrtApi* g_parallel_api = nullptr;
 
 enum class OpKind { kAppend, kAttention };
 
@@ -365,6 +371,29 @@ OrtStatus* compute_append(const Kernel& k, OrtKernelContext* ctx) {
   return nullptr;
 }
 
+// pnmix_attend_on's runner over ONNX Runtime's intra-op pool: every work item its own task, so
+// the pool balances them (the split at the sink and the residual costs more).
+struct PoolRun {
+  OrtKernelContext* ctx;
+  pnmix_task task;
+  void* task_ctx;
+};
+
+void pool_item(void* run, size_t item) {
+  const PoolRun& r = *static_cast<const PoolRun*>(run);
+  r.task(r.task_ctx, (int64_t)item);
+}
+
+int run_on_pool(void* run, pnmix_task task, void* task_ctx, int64_t items) {
+  PoolRun& r = *static_cast<PoolRun*>(run);
+  r.task = task;
+  r.task_ctx = task_ctx;
+  OrtStatus* status = g_parallel_api->KernelContext_ParallelFor(r.ctx, pool_item, (size_t)items, (size_t)items, &r);
+  if (!status) return 0;
+  g_parallel_api->ReleaseStatus(status);
+  return 1;
+}
+
 OrtStatus* compute_attention(const Kernel& k, OrtKernelContext* ctx) {
   const OrtApi* api = k.api;
   Inputs in;
@@ -386,10 +415,12 @@ OrtStatus* compute_attention(const Kernel& k, OrtKernelContext* ctx) {
   void* data = nullptr;
   PNMIX_ORT_TRY(api, k.kind, "output 'attention'", api->GetTensorMutableData(out, &data));
   const bool fresh = in.new_len > 0;
-  if (pnmix_attend(&in.layout, &in.state, in.seq_len, q.data, 0, q.dims[1], q.dims[2], q.bytes(),
-                   fresh ? static_cast<const uint16_t*>(key.data) : nullptr,
-                   fresh ? static_cast<const uint16_t*>(value.data) : nullptr, in.new_len, fresh ? key.bytes() : 0,
-                   static_cast<float*>(data), q.count * 4, k.threads) != PNMIX_OK)
+  PoolRun pool{ctx, nullptr, nullptr};
+  if (pnmix_attend_on(&in.layout, &in.state, in.seq_len, q.data, 0, q.dims[1], q.dims[2], q.bytes(),
+                      fresh ? static_cast<const uint16_t*>(key.data) : nullptr,
+                      fresh ? static_cast<const uint16_t*>(value.data) : nullptr, in.new_len, fresh ? key.bytes() : 0,
+                      static_cast<float*>(data), q.count * 4, k.threads, g_parallel_api ? run_on_pool : nullptr,
+                      &pool) != PNMIX_OK)
     return fail(api, k.kind, "%s", pnmix_last_error());
   return nullptr;
 }
@@ -484,6 +515,7 @@ extern "C" PNMIX_ORT_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSession
     return v1 ? v1->CreateStatus(ORT_FAIL, line) : nullptr;
   }
   g_has_config_entries = base->GetApi(PNMIX_ORT_API_CONFIG_ENTRIES) != nullptr;
+  g_parallel_api = getenv(kOwnPoolEnv) ? nullptr : base->GetApi(PNMIX_ORT_API_PARALLEL_FOR);
   // The domain must outlive every session made from these options; ONNX Runtime never frees it,
   // and releasing it at unload could run after the runtime is gone, so it is left to the process.
   OrtCustomOpDomain* domain = nullptr;

@@ -6,6 +6,10 @@
 
 #include "pnmix/format.h"
 
+#ifndef PNMIX_MIN_KB_PER_AWAKE_THREAD
+#define PNMIX_MIN_KB_PER_AWAKE_THREAD 128
+#endif
+
 namespace pnmix {
 
 // One call of pnmix_attend, resolved: pointers into the state, lengths, and the work split.
@@ -31,10 +35,13 @@ inline int64_t partial_stride(const AttendJob& job) { return job.L.head_dim + 2;
 // Threads worth waking for a call: one per kMinBytesPerThread of packed bytes to read (at least
 // one, at most `available`). Below that, waking a helper (and, inside a model, contending with
 // the framework's own threads for the cores) costs more than the split saves.
+// On a caller's pool whose threads are already awake (pnmix_attend_on: an engine's intra-op pool
+// between its own kernels), a thread pays for itself on far less.
 constexpr int64_t kMinBytesPerThread = (int64_t)2 << 20;
+constexpr int64_t kMinBytesPerAwakeThread = (int64_t)PNMIX_MIN_KB_PER_AWAKE_THREAD << 10;
 
-inline int attend_threads(const pnmix_layout& L, int64_t seq_len, int available) {
-  const int64_t useful = persistent_bytes(L, seq_len) / kMinBytesPerThread;
+inline int attend_threads(const pnmix_layout& L, int64_t seq_len, int available, bool awake = false) {
+  const int64_t useful = persistent_bytes(L, seq_len) / (awake ? kMinBytesPerAwakeThread : kMinBytesPerThread);
   return useful < 1 ? 1 : useful < available ? (int)useful : available;
 }
 

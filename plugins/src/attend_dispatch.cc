@@ -167,7 +167,7 @@ int pnmix_set_attend_isa(const char* name) {
 static int attend_impl(const pnmix_layout* layout, const pnmix_state* state, int64_t seq_len, const void* q,
                        int q_is_fp32, int64_t q_heads, int64_t nq, int64_t q_bytes, const uint16_t* k_new,
                        const uint16_t* v_new, int64_t n_new, int64_t new_bytes, float* out, int64_t out_bytes,
-                       int threads) {
+                       int threads, pnmix_parallel_for runner, void* runner_ctx) {
   if (int rc = check_layout(layout)) return rc;
   const pnmix_layout& L = *layout;
   if (int rc = check_state(L, state)) return rc;
@@ -221,7 +221,7 @@ static int attend_impl(const pnmix_layout* layout, const pnmix_state* state, int
   job.group_q = q_heads / H;
   job.rows = job.group_q * nq;
   job.scale = (float)(1.0 / sqrt((double)D));
-  const int nthreads = attend_threads(L, seq_len, resolve_threads(threads));
+  const int nthreads = attend_threads(L, seq_len, resolve_threads(threads), runner != nullptr);
   const int64_t heads = B * H;
   int64_t splits = (8 * nthreads + heads - 1) / heads;  // enough items for dynamic balance across threads
   if (splits > job.n.groups) splits = job.n.groups;
@@ -238,7 +238,12 @@ static int attend_impl(const pnmix_layout* layout, const pnmix_state* state, int
   AttendRun run;
   run.job = &job;
   run.fn = item_function(L);
-  parallel_for(nthreads, items, run_item, &run);
+  if (runner && nthreads > 1) {
+    if (runner(runner_ctx, run_item, &run, items) != 0)
+      return fail(PNMIX_ERR_INTERNAL, "the caller's parallel-for did not run the attention's work items");
+  } else {
+    parallel_for(nthreads, items, run_item, &run);
+  }
   if (run.failed) return fail(PNMIX_ERR_INTERNAL, "out of memory for the attention scratch");
   merge_splits(job, out);
   return ok();
@@ -248,9 +253,17 @@ int pnmix_attend(const pnmix_layout* layout, const pnmix_state* state, int64_t s
                  int q_is_fp32, int64_t q_heads, int64_t nq, int64_t q_bytes, const uint16_t* k_new,
                  const uint16_t* v_new, int64_t n_new, int64_t new_bytes, float* out, int64_t out_bytes,
                  int threads) {
+  return pnmix_attend_on(layout, state, seq_len, q, q_is_fp32, q_heads, nq, q_bytes, k_new, v_new, n_new, new_bytes,
+                         out, out_bytes, threads, nullptr, nullptr);
+}
+
+int pnmix_attend_on(const pnmix_layout* layout, const pnmix_state* state, int64_t seq_len, const void* q,
+                    int q_is_fp32, int64_t q_heads, int64_t nq, int64_t q_bytes, const uint16_t* k_new,
+                    const uint16_t* v_new, int64_t n_new, int64_t new_bytes, float* out, int64_t out_bytes,
+                    int threads, pnmix_parallel_for runner, void* runner_ctx) {
   try {
     return attend_impl(layout, state, seq_len, q, q_is_fp32, q_heads, nq, q_bytes, k_new, v_new, n_new,
-                       new_bytes, out, out_bytes, threads);
+                       new_bytes, out, out_bytes, threads, runner, runner_ctx);
   } catch (const std::exception& e) {
     return fail(PNMIX_ERR_INTERNAL, "attention failed: %s", e.what());
   }

@@ -19,7 +19,7 @@ from . import native
 from .native import INT as _INT, I64 as _I64, PTR as _PTR, CConfig, CLayout, CState, c_layout, nbytes as _nbytes, ptr as _ptr
 
 LIBRARY = "pnmix_core"
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 _SIGNATURES: native.Signatures = {
     "pnmix_core_abi_version": ([], _INT),

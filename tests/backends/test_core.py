@@ -348,6 +348,46 @@ def test_wrong_sizes_rejected(abi):
     assert attend(seq_len=4) == 0
 
 
+TASK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)
+RUNNER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, TASK, ctypes.c_void_p, ctypes.c_int64)
+
+
+def test_attention_on_a_callers_pool_is_bit_identical(ops):
+    """pnmix_attend_on hands every work item to the caller's parallel-for (ONNX Runtime's pool in
+    libpnmix_ort): here one that runs them in reverse order. Each item runs once and the output is
+    bit-identical to the core's own pool; a runner that fails is one error line."""
+    lib = core_ops.core_library()
+    attend_on = lib.pnmix_attend_on
+    attend_on.argtypes = list(lib.pnmix_attend.argtypes) + [RUNNER, ctypes.c_void_p]
+    attend_on.restype = ctypes.c_int
+    # 9.7 MB of packed bytes: 4 threads by either rule, so both split the work alike (the split,
+    # and with it the order of the softmax merge, follows the thread count)
+    layout = CacheLayout(CONFIGS["manifest"], 1, 8, 128, 16384)
+    k, v = make_random_kv(1, 8, 16000, 128, seed=3)
+    state, seq_len = run_schedule(ops.append, layout, [16000], k, v)
+    lay, st = core_ops.c_layout(layout), core_ops.c_state(state)
+    q = torch.randn(1, 32, 1, 128)
+    want, got = torch.empty(1, 32, 1, 128), torch.full((1, 32, 1, 128), float("nan"))
+    args = (ctypes.byref(lay), ctypes.byref(st), seq_len, q.data_ptr(), 1, 32, 1, q.numel() * 4, None, None, 0, 0)
+    assert lib.pnmix_attend(*args, want.data_ptr(), want.numel() * 4, 4) == 0
+    ran = []
+
+    def backwards(ctx, task, task_ctx, items):
+        for item in reversed(range(items)):
+            ran.append(item)
+            task(task_ctx, item)
+        return 0
+
+    runner = RUNNER(backwards)
+    assert attend_on(*args, got.data_ptr(), got.numel() * 4, 4, runner, None) == 0
+    assert len(ran) > 4 and sorted(ran) == list(range(len(ran)))  # split for 4 threads, each item once
+    assert torch.equal(got, want)
+    code, message = _error(lib, attend_on(*args, got.data_ptr(), got.numel() * 4, 4, RUNNER(lambda *a: 1), None))
+    assert code == 6 and "parallel-for" in message
+    # null runner: the core's own pool
+    assert attend_on(*args, got.data_ptr(), got.numel() * 4, 4, RUNNER(), None) == 0 and torch.equal(got, want)
+
+
 def test_capacity_and_config_errors(abi, ops):
     lib, layout, lay, state, st = abi
     k, v = make_random_kv(1, 2, 10, 32, seed=0)

@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define PNMIX_CORE_ABI_VERSION 3 /* 3: pnmix_core_struct_offset */
+#define PNMIX_CORE_ABI_VERSION 4 /* 3: pnmix_core_struct_offset; 4: pnmix_attend_on */
 
 #if defined(_WIN32)
 #define PNMIX_API
@@ -78,6 +78,23 @@ PNMIX_API int pnmix_attend(const pnmix_layout* layout, const pnmix_state* state,
                  int q_is_fp32, int64_t q_heads, int64_t nq, int64_t q_bytes, const uint16_t* k_new,
                  const uint16_t* v_new, int64_t n_new, int64_t new_bytes, float* out, int64_t out_bytes,
                  int threads);
+
+/* A caller's parallel-for, for pnmix_attend_on: run task(task_ctx, i) exactly once for every i in
+ * [0, items), on any threads, concurrently or not, and return 0 when all have run (non-zero: it
+ * could not run them; the attention then fails with PNMIX_ERR_INTERNAL). */
+typedef void (*pnmix_task)(void* task_ctx, int64_t item);
+typedef int (*pnmix_parallel_for)(void* runner_ctx, pnmix_task task, void* task_ctx, int64_t items);
+
+/* pnmix_attend on the caller's threads: the work items run through runner(runner_ctx, ...) instead
+ * of the core's own pool (an engine's intra-op pool: ONNX Runtime's KernelContext_ParallelFor).
+ * threads: how many threads the runner has (<= 0: all cores); the work is split for that many, and
+ * a thread is worth a smaller share of the cache than the core's own pool needs, since the
+ * runner's threads are already awake. runner == null is pnmix_attend. The results are pnmix_attend's
+ * bit for bit when both split the work alike (the split follows the thread count, in both). */
+PNMIX_API int pnmix_attend_on(const pnmix_layout* layout, const pnmix_state* state, int64_t seq_len, const void* q,
+                    int q_is_fp32, int64_t q_heads, int64_t nq, int64_t q_bytes, const uint16_t* k_new,
+                    const uint16_t* v_new, int64_t n_new, int64_t new_bytes, float* out, int64_t out_bytes,
+                    int threads, pnmix_parallel_for runner, void* runner_ctx);
 
 /* The attention kernel in use: "avx512vbmi", "avx512", "avx2" or "scalar" (chosen at run time from
  * cpuid; groups whose size is not a multiple of 16 use "avx2" in place of the AVX-512 kernels). */
