@@ -25,10 +25,8 @@ LENGTHS = (20, 300, 170)  # 300: past the sink and the residual, so each row's c
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    random_llama(2, 64, 4, 2, 32).save_pretrained(folder)
-    return folder
+def model_dir(random_llama_dir):
+    return random_llama_dir
 
 
 def test_each_row_is_its_prompt_alone_and_the_rates_add_up(model_dir, tmp_path):

@@ -27,10 +27,8 @@ CONTEXTS = (40, 300)  # 300: past the sink and the residual, so the pnmix cache 
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    random_llama(2, 64, 4, 2, 32).save_pretrained(folder)
-    return folder
+def model_dir(random_llama_dir):
+    return random_llama_dir
 
 
 def test_report_has_every_cache_at_every_context(model_dir, tmp_path):

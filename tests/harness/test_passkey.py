@@ -19,7 +19,6 @@ from pnmix.hf.evaluate.passkey import (  # noqa: E402
     CLASSIC_FILLER, HEADER, NEEDLE, REFERENCE_PASS, VARIANTS, cell_rows, classic_filler, haystack, passkey_key,
     text_filler,
 )
-from pnmix.testing import tiny_llama  # noqa: E402
 
 BYTES = Text()  # UTF-8 bytes as ids: a token is a character, so positions read as text
 
@@ -30,12 +29,8 @@ def invoke(*args):
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    model = tiny_llama(seed=3)
-    model.config.max_position_embeddings = 1024
-    model.save_pretrained(path)
-    return path
+def tiny_dir(tiny_llama_1k_dir):
+    return tiny_llama_1k_dir
 
 
 def test_the_classic_haystack_is_the_filler_sentence_repeated():

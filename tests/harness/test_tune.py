@@ -32,12 +32,8 @@ def invoke(*args):
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    model = tiny_llama(seed=3)
-    model.config.max_position_embeddings = 1024
-    model.save_pretrained(path)
-    return path
+def tiny_dir(tiny_llama_1k_dir):
+    return tiny_llama_1k_dir
 
 
 @pytest.fixture(scope="module")
