@@ -175,8 +175,8 @@ def test_every_json_option_is_the_shared_one():
     from pnmix.cli import JSON_HELP
 
     with_json = {name for name, cmd in commands().items() if option(cmd, "json_path") is not None}
-    assert with_json == {"reproduce", "verify", "generate", "doctor", "eval",
-                         "bench decode", "bench generate", "bench onnx"}
+    assert with_json == {"reproduce", "verify", "generate", "doctor", "eval", "tune",
+                         "bench decode", "bench generate", "bench batch", "bench onnx"}
     for name in with_json:
         param = option(commands()[name], "json_path")
         assert param.opts == ["--json"] and param.help == JSON_HELP, name
