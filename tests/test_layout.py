@@ -25,6 +25,7 @@ LAYERS = {
     "pnmix.export": 1, "pnmix.codegen": 1,
     "pnmix.backends": 2,
     "pnmix.protocol": 3, "pnmix.verify": 3, "pnmix.doctor": 3, "pnmix.bench": 3, "pnmix.generate": 3, "pnmix.hf": 3,
+    "pnmix.vllm": 3,
     "pnmix.hf.models": 0, "pnmix.hf._deps": 0,  # where a model comes from: no cache, no backend
     "pnmix.cli": 4, "pnmix.__main__": 4,
 }

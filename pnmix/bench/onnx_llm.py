@@ -128,23 +128,9 @@ def fp_kv_bytes(model_config, tokens: int, bytes_per: int) -> int:
 
 def build_peer(model: str, folder: Path) -> Path:
     """onnxruntime-genai's builder on an HF folder of MODEL (written first for a GGUF model)."""
-    from pnmix.hf.models import load_causal_lm, load_model_config, load_tokenizer, resolve_model
+    from pnmix.hf.models import resolve_model, save_hf_folder
 
-    source = resolve_model(model)
-    hf_folder = source.folder
-    if source.gguf_file:  # the builder takes a folder of safetensors; a GGUF model is not serializable as is
-        import transformers
-
-        config = load_model_config(source)
-        loaded = load_causal_lm(source, "fp32", model_config=config)
-        config = loaded.config
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        plain = getattr(transformers, type(loaded).__name__)(config)
-        plain.load_state_dict(loaded.state_dict())
-        hf_folder = folder / "hf"
-        plain.save_pretrained(hf_folder)
-        load_tokenizer(source).save_pretrained(hf_folder)
+    hf_folder = save_hf_folder(resolve_model(model), folder / "hf")
     out = folder / "peer"
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     proc = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_folder),

@@ -374,6 +374,26 @@ def load_causal_lm(source: ModelSource, dtype: str = "fp32", model_config: Any =
     return model.eval()
 
 
+def save_hf_folder(source: ModelSource, folder: Path) -> Path:
+    """A Hugging Face folder (safetensors, config, tokenizer) of MODEL: the folder itself when it is
+    one, else the GGUF model dequantized to fp32 and written under ``folder`` (for tools that take a
+    folder only: onnxruntime-genai's builder, vLLM)."""
+    if not source.gguf_file:
+        return source.folder
+    import transformers
+
+    config = load_model_config(source)
+    loaded = load_causal_lm(source, "fp32", model_config=config)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):  # the GGUF's: the written weights are plain fp32
+        del config.quantization_config
+    plain = getattr(transformers, type(loaded).__name__)(config)
+    plain.load_state_dict(loaded.state_dict())
+    plain.save_pretrained(folder)
+    load_tokenizer(source).save_pretrained(folder)
+    return folder
+
+
 def parameter_count(model_config: Any) -> int:
     """The parameters of a Llama-family model of this config (embeddings, every layer's
     projections and norms, the head unless tied), counted from the shapes."""

@@ -1,0 +1,154 @@
+"""The paged pn-mix cache (pnmix/vllm/paged.py, docs/VLLM.md) against the packed cache: a flushed
+block's page holds the format's bytes of its group, byte for byte, and attention over the pages
+equals attention over the PackedKVCache that took the same tokens. No vLLM needed."""
+
+import math
+
+import pytest
+import torch
+
+from pnmix._native import library_status
+from pnmix.cache import PackedKVCache
+from pnmix.config import PnMixConfig
+from pnmix.errors import PnMixError
+from pnmix.format import CacheLayout
+from pnmix.vllm.paged import GROUP_TENSORS, PagedLayerCache, PageLayout, SlotTable, sequence_rows
+
+SMALL = PnMixConfig(pair_layout="half", group_size=16, residual_size=24, sink_tokens=5, value_group_size=8,
+                    key_high_bits=4, key_low_bits=2, value_bits=2, high_ratio=0.25)
+HF_DEFAULT = PnMixConfig(pair_layout="half")  # PnMixCache's default: the manifest's values, rotate_half pairs
+
+
+def make_ops(name):
+    """The packed cache's ops: the C core's append is an implementation independent of the
+    reference quantizers the paged cache calls; the reference is the definition."""
+    if name == "torch":
+        from pnmix.cache import ReferenceOps
+
+        return ReferenceOps()
+    available, reason = library_status("pnmix_core")
+    if not available:
+        pytest.skip(f"libpnmix_core not available: {reason}")
+    from pnmix.backends.core_ops import CoreOps
+
+    return CoreOps()
+
+
+def shuffled_blocks(count: int, num_blocks: int, seed: int) -> torch.Tensor:
+    """A block table of `count` distinct blocks out of `num_blocks`, in no particular order."""
+    return torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))[:count]
+
+
+def chunks_of(total: int, first: int, step: int):
+    sizes, left = [min(first, total)], total - min(first, total)
+    while left:
+        sizes.append(min(step, left))
+        left -= sizes[-1]
+    return sizes
+
+
+@pytest.mark.parametrize("ops_name", ["torch", "core"])
+@pytest.mark.parametrize("config, heads, dim, chunks", [
+    (SMALL, 2, 16, (37, 1, 1, 9, 30, 1, 50)),
+    (HF_DEFAULT, 3, 64, (200, 1, 90, 1, 1, 120)),
+])
+def test_flushed_pages_hold_the_format_bytes_of_their_group(config, heads, dim, chunks, ops_name):
+    ops = make_ops(ops_name)
+    pages = PageLayout(config, heads, dim, config.group_size)
+    total = sum(chunks)
+    table = shuffled_blocks(pages.blocks_for(total), 64, seed=1)
+    kv_pages = torch.zeros(64, heads, pages.head_page_bytes, dtype=torch.uint8)
+    paged = PagedLayerCache(pages, slots=3)
+    packed = PackedKVCache(config, heads, dim, total, ops=ops)
+    gen = torch.Generator().manual_seed(7)
+    k_all = (torch.randn(heads, total, dim, generator=gen) * 2).half()
+    v_all = torch.randn(heads, total, dim, generator=gen).half()
+    done = 0
+    for n in chunks:
+        paged.append(kv_pages, table, 2, done, k_all[:, done:done + n], v_all[:, done:done + n])
+        packed.append(k_all[None, :, done:done + n], v_all[None, :, done:done + n])
+        done += n
+        lengths = packed.lengths()
+        for g in range(lengths.groups):
+            page = kv_pages[int(table[pages.block_of_group(g)])]
+            for h in range(heads):
+                want = b"".join(packed.state[name][0, h, g].contiguous().view(torch.uint8).numpy().tobytes()
+                                for name in GROUP_TENSORS)
+                got = page[h].numpy().tobytes()
+                assert got[:len(want)] == want, f"group {g} head {h} after {done} tokens"
+                assert set(got[len(want):]) <= {0}  # the padding is zeros
+        assert torch.equal(paged.sink_k[2, :, :lengths.sink], packed.state["sink_k"][0, :, :lengths.sink])
+        assert torch.equal(paged.residual_v[2, :, :lengths.residual],
+                           packed.state["residual_v"][0, :, :lengths.residual])
+        assert torch.equal(paged.pair_mask[2], packed.state["pair_mask"][0])
+    assert packed.lengths().groups >= 2  # the cases flush more than one group
+
+
+@pytest.mark.parametrize("ops_name", ["torch", "core"])
+@pytest.mark.parametrize("nq", [1, 7])
+def test_attention_over_pages_equals_the_packed_cache(nq, ops_name):
+    ops = make_ops(ops_name)
+    config, heads, dim, q_heads = HF_DEFAULT, 3, 64, 9
+    pages = PageLayout(config, heads, dim, config.group_size)
+    total = 700
+    table = shuffled_blocks(pages.blocks_for(total + nq), 40, seed=3)
+    kv_pages = torch.zeros(40, heads, pages.head_page_bytes, dtype=torch.uint8)
+    paged = PagedLayerCache(pages, slots=1, ops=ops)
+    packed = PackedKVCache(config, heads, dim, total + nq, ops=ops)
+    gen = torch.Generator().manual_seed(11)
+    k = torch.randn(heads, total + nq, dim, generator=gen).half()
+    v = torch.randn(heads, total + nq, dim, generator=gen).half()
+    paged.append(kv_pages, table, 0, 0, k[:, :total], v[:, :total])
+    packed.append(k[None, :, :total], v[None, :, :total])
+    q = torch.randn(nq, q_heads, dim, generator=gen)
+    scale = 1.0 / math.sqrt(dim)
+    got = paged.attend(kv_pages, table, 0, total, q, k[:, total:], v[:, total:], scale)
+    want = packed.attend(q.transpose(0, 1)[None], k[None, :, total:], v[None, :, total:])[0].transpose(0, 1)
+    assert torch.equal(got, want)
+    # A model scale other than 1/sqrt(D) is folded into the queries.
+    got2 = paged.attend(kv_pages, table, 0, total, q, k[:, total:], v[:, total:], 2 * scale)
+    want2 = packed.attend(2 * q.transpose(0, 1)[None], k[None, :, total:], v[None, :, total:])[0].transpose(0, 1)
+    torch.testing.assert_close(got2, want2, rtol=1e-5, atol=1e-5)
+
+
+def test_a_block_and_a_slot_cost_what_the_format_says():
+    pages = PageLayout(HF_DEFAULT, 3, 64, 128)
+    lay = CacheLayout(HF_DEFAULT, 1, 3, 64, 4096)
+    cfg = HF_DEFAULT
+    one_group = (lay.persistent_bytes(cfg.sink_tokens + cfg.residual_size + cfg.group_size)["persistent_cache_bytes"]
+                 - lay.persistent_bytes(cfg.sink_tokens + cfg.residual_size)["persistent_cache_bytes"])
+    assert pages.kv_heads * pages.group_bytes == one_group
+    assert pages.head_page_bytes >= pages.group_bytes > pages.head_page_bytes - pages.block_size
+    assert pages.token_bytes == 38  # SmolLM2's dims: 18 key + 20 value bytes per token and head
+    assert pages.slot_bytes == 2 * 2 * 3 * 64 * (32 + 128) + lay.mask_bytes
+
+
+def test_group_g_lives_in_the_block_of_its_last_token():
+    pages = PageLayout(SMALL, 2, 16, 16)  # sink 5, groups of 16
+    assert [pages.block_of_group(g) for g in range(4)] == [1, 2, 3, 4]  # last tokens 20, 36, 52, 68
+    no_sink = PageLayout(SMALL.replace(sink_tokens=0), 2, 16, 16)
+    assert [no_sink.block_of_group(g) for g in range(3)] == [0, 1, 2]
+
+
+def test_start_up_refusals_are_one_line_errors():
+    with pytest.raises(PnMixError, match="block size to equal group_size"):
+        PageLayout(HF_DEFAULT, 3, 64, 16)
+    with pytest.raises(PnMixError, match="head_dim"):
+        PageLayout(HF_DEFAULT.replace(value_bits=3), 3, 4, 128)
+
+
+def test_slot_table_reuses_a_freed_first_block_and_evicts_the_least_recent():
+    table = SlotTable(2)
+    a, b = table.assign(10, starting=True), table.assign(20, starting=True)
+    assert {a, b} == {0, 1}
+    assert table.assign(10, starting=False) == a  # a running sequence keeps its slot
+    assert table.assign(20, starting=True) == b  # block 20 freed and taken by a new sequence
+    table.assign(10, starting=False)
+    c = table.assign(30, starting=True)  # full: the least recently used (block 20's) goes
+    assert c == b
+    with pytest.raises(PnMixError, match="has no slot"):
+        table.assign(20, starting=False)
+
+
+def test_sequence_rows():
+    assert sequence_rows([0, 5, 6, 9], [5, 41, 3]) == [(0, 5, 0), (5, 1, 40), (6, 3, 0)]
