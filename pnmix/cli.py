@@ -270,6 +270,7 @@ def verify(
 
 def _print_verify(report: dict) -> None:
     ops = f", {report['ops']} pn-mix ops" if report.get("ops") else ""
+    ops += f", {report['attend_arith']} attention" if report.get("attend_arith") else ""
     table = Table(title=f"pnmix verify: backend {report['backend']}{ops} (tolerance {report['tolerance']:g})")
     for column in ("seed", "max |diff| online", "max |diff| final", "packed bytes", "result"):
         table.add_column(column)

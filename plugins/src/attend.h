@@ -23,6 +23,7 @@ struct AttendJob {
   int64_t rows;                   // group_q * nq query rows per KV head
   int64_t splits;
   float scale;
+  bool int8_keys = false, int8_values = false;  // the integer path (attend_int8.inc) for each half
   const float* q;  // fp32 [B, Hq, nq, D]
   StateView<false> state;
   const uint16_t *k_new, *v_new;
@@ -43,6 +44,19 @@ constexpr int64_t kMinBytesPerAwakeThread = (int64_t)PNMIX_MIN_KB_PER_AWAKE_THRE
 inline int attend_threads(const pnmix_layout& L, int64_t seq_len, int available, bool awake = false) {
   const int64_t useful = persistent_bytes(L, seq_len) / (awake ? kMinBytesPerAwakeThread : kMinBytesPerThread);
   return useful < 1 ? 1 : useful < available ? (int)useful : available;
+}
+
+// What the integer path (attend_int8.inc) takes. Keys: codes of at most 4 bits (two products of a
+// code and an int8 weight stay inside vpmaddubsw's 16-bit sum) in chunks of 32 tokens. Values: one
+// value block per token (the weights are per token), codes that tile a byte (1, 2 or 4 bits), and a
+// token's codes 16 bytes or a multiple of 32.
+inline bool int8_keys_supported(const pnmix_layout& L) {
+  return L.config.key_high_bits <= 4 && L.config.key_low_bits <= 4 && L.config.group_size % 32 == 0;
+}
+inline bool int8_values_supported(const pnmix_layout& L) {
+  const int64_t B = L.config.value_bits, VB = value_token_bytes(L);
+  return value_blocks(L) == 1 && (B == 1 || B == 2 || B == 4) && (VB == 16 || (VB >= 32 && VB % 32 == 0)) &&
+         L.config.group_size % 4 == 0;
 }
 
 // The kernels: one per instruction set, same arithmetic.

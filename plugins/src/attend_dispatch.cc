@@ -2,6 +2,7 @@
 // (cpuid; pnmix_set_attend_isa forces one), the work split over threads and the merge of the
 // splits. The kernels themselves are attend_*.cc (attend_kernel.inc).
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <atomic>
@@ -17,6 +18,9 @@
 #include "pnmix/format.h"
 #include "pnmix/half.h"
 #include "pool.h"
+#if defined(PNMIX_HAVE_X86_KERNELS)
+#include "probe.h"
+#endif
 
 namespace pnmix {
 namespace core {
@@ -71,12 +75,40 @@ Isa best_isa() {
   return Isa::kScalar;
 }
 
+// The arithmetic of the packed groups: exact fp32 (the default) or the integer path
+// (attend_int8.inc), which the AVX2 kernel runs. PNMIX_ATTEND_ARITH=int8 chooses it for a process
+// (so it reaches every binding: Python, the ONNX Runtime op, a C++ app); pnmix_set_attend_arith
+// overrides it.
+enum class Arith { kUnset, kFp32, kInt8 };
+Arith forced_arith = Arith::kUnset;
+
+Arith requested_arith() {
+  if (forced_arith != Arith::kUnset) return forced_arith;
+  const char* env = getenv("PNMIX_ATTEND_ARITH");
+  return env && !strcmp(env, "int8") ? Arith::kInt8 : Arith::kFp32;
+}
+
+// The halves the integer path takes for this layout ({keys, values}), none unless requested and the
+// CPU has the AVX2 kernel.
+struct Int8Halves {
+  bool keys = false, values = false;
+};
+Int8Halves int8_halves(const pnmix_layout& L) {
+  Int8Halves h;
+  if (requested_arith() != Arith::kInt8 || !cpu_has_avx2() || forced_isa == Isa::kScalar) return h;
+  h.keys = int8_keys_supported(L);
+  h.values = int8_values_supported(L);
+  return h;
+}
+
 const char* isa_name(Isa isa) {
   return isa == Isa::kAvx512Vbmi ? "avx512vbmi" : isa == Isa::kAvx512 ? "avx512" : isa == Isa::kAvx2 ? "avx2" : "scalar";
 }
 
 ItemFn item_function(const pnmix_layout& L) {
   Isa isa = best_isa();
+  const Int8Halves int8 = int8_halves(L);
+  if (int8.keys || int8.values) isa = Isa::kAvx2;  // the integer path is written (and tested) for AVX2
 #if defined(PNMIX_HAVE_X86_KERNELS)
   const bool wide = isa == Isa::kAvx512 || isa == Isa::kAvx512Vbmi;
   if (wide && L.config.group_size % 16) isa = Isa::kAvx2;  // 16-token chunks need gs % 16
@@ -164,6 +196,63 @@ int pnmix_set_attend_isa(const char* name) {
   return ok();
 }
 
+const char* pnmix_attend_arith(void) { return requested_arith() == Arith::kInt8 ? "int8" : "fp32"; }
+
+int pnmix_set_attend_arith(const char* name) {
+  if (!name || !strcmp(name, "auto")) {
+    forced_arith = Arith::kUnset;
+  } else if (!strcmp(name, "fp32")) {
+    forced_arith = Arith::kFp32;
+  } else if (!strcmp(name, "int8")) {
+    if (!cpu_has_avx2()) return fail(PNMIX_ERR_CONFIG, "the int8 attention needs AVX2/FMA/F16C, which this CPU (or build) lacks");
+    forced_arith = Arith::kInt8;
+  } else {
+    return fail(PNMIX_ERR_CONFIG, "unknown attention arithmetic '%s'; choose auto, fp32 or int8", name);
+  }
+  return ok();
+}
+
+const char* pnmix_attend_arith_for(const pnmix_layout* layout) {
+  if (!layout || layout_error(*layout)) return "fp32";
+  const Int8Halves h = int8_halves(*layout);
+  return h.keys && h.values ? "int8" : h.keys ? "int8 keys, fp32 values" : h.values ? "fp32 keys, int8 values" : "fp32";
+}
+
+namespace {
+struct ProbeRun {
+  bool int8;
+  int64_t iterations;
+  std::atomic<double> madds{0.0};
+};
+void run_probe(void* ctx, int64_t) {
+#if defined(PNMIX_HAVE_X86_KERNELS)
+  ProbeRun& run = *static_cast<ProbeRun*>(ctx);
+  const double done = run.int8 ? int8_madds(run.iterations) : fp32_madds(run.iterations);
+  double seen = run.madds.load();
+  while (!run.madds.compare_exchange_weak(seen, seen + done)) {
+  }
+#else
+  (void)ctx;
+#endif
+}
+}  // namespace
+
+int pnmix_madd_rate(const char* kind, int threads, int64_t iterations, double* madds) {
+  if (!kind || !madds) return fail(PNMIX_ERR_NULL, "kind or madds pointer is null");
+  const bool int8 = !strcmp(kind, "int8");
+  if (!int8 && strcmp(kind, "fp32")) return fail(PNMIX_ERR_CONFIG, "unknown multiply-add kind '%s'; choose fp32 or int8", kind);
+  if (iterations < 1 || iterations > ((int64_t)1 << 40))
+    return fail(PNMIX_ERR_SIZE, "iterations must be in 1..2^40, got %lld", (long long)iterations);
+  if (!cpu_has_avx2()) return fail(PNMIX_ERR_CONFIG, "the multiply-add probe needs AVX2/FMA, which this CPU (or build) lacks");
+  const int n = resolve_threads(threads);
+  ProbeRun run;
+  run.int8 = int8;
+  run.iterations = iterations;
+  parallel_for(n, n, run_probe, &run);
+  *madds = run.madds.load();
+  return ok();
+}
+
 static int attend_impl(const pnmix_layout* layout, const pnmix_state* state, int64_t seq_len, const void* q,
                        int q_is_fp32, int64_t q_heads, int64_t nq, int64_t q_bytes, const uint16_t* k_new,
                        const uint16_t* v_new, int64_t n_new, int64_t new_bytes, float* out, int64_t out_bytes,
@@ -221,6 +310,9 @@ static int attend_impl(const pnmix_layout* layout, const pnmix_state* state, int
   job.group_q = q_heads / H;
   job.rows = job.group_q * nq;
   job.scale = (float)(1.0 / sqrt((double)D));
+  const Int8Halves int8 = int8_halves(L);
+  job.int8_keys = int8.keys;
+  job.int8_values = int8.values;
   const int nthreads = attend_threads(L, seq_len, resolve_threads(threads), runner != nullptr);
   const int64_t heads = B * H;
   int64_t splits = (8 * nthreads + heads - 1) / heads;  // enough items for dynamic balance across threads

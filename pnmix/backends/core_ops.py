@@ -8,6 +8,7 @@ dtypes, contiguity) and in the library (every size), whose message becomes a PnM
 from __future__ import annotations
 
 import ctypes
+import time
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -19,7 +20,7 @@ from . import native
 from .native import INT as _INT, I64 as _I64, PTR as _PTR, CConfig, CLayout, CState, c_layout, nbytes as _nbytes, ptr as _ptr
 
 LIBRARY = "pnmix_core"
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 _SIGNATURES: native.Signatures = {
     "pnmix_core_abi_version": ([], _INT),
@@ -31,6 +32,10 @@ _SIGNATURES: native.Signatures = {
     "pnmix_attend": ([_PTR, _PTR, _I64, _PTR, _INT, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _INT], _INT),
     "pnmix_attend_isa": ([], ctypes.c_char_p),
     "pnmix_set_attend_isa": ([ctypes.c_char_p], _INT),
+    "pnmix_attend_arith": ([], ctypes.c_char_p),
+    "pnmix_set_attend_arith": ([ctypes.c_char_p], _INT),
+    "pnmix_attend_arith_for": ([_PTR], ctypes.c_char_p),
+    "pnmix_madd_rate": ([ctypes.c_char_p, _INT, _I64, _PTR], _INT),
     "pnmix_half_to_float": ([_PTR, _PTR, _I64], _INT),
     "pnmix_float_to_half": ([_PTR, _PTR, _I64, _INT], _INT),
     "pnmix_dump_size": ([_PTR, _I64, _PTR], _INT),
@@ -113,6 +118,30 @@ class CoreOps(CacheOps):
 
     def set_isa(self, name: str) -> None:
         check(self.lib, self.lib.pnmix_set_attend_isa(name.encode()))
+
+    def arith(self) -> str:
+        """The arithmetic requested for the packed groups: fp32 (exact, the default) or int8."""
+        return self.lib.pnmix_attend_arith().decode()
+
+    def set_arith(self, name: str) -> None:
+        """fp32, int8, or auto (back to the PNMIX_ATTEND_ARITH environment variable); process-wide."""
+        check(self.lib, self.lib.pnmix_set_attend_arith(name.encode()))
+
+    def arith_for(self, layout: CacheLayout) -> str:
+        """What an attention over this layout runs: int8, fp32, or the half of each."""
+        lay = c_layout(layout)
+        return self.lib.pnmix_attend_arith_for(ctypes.byref(lay)).decode()
+
+    def madd_rate(self, kind: str, threads: int, iterations: int = 4_000_000, runs: int = 3) -> float:
+        """Multiply-adds per second with the data in registers, the best of `runs` (kind: fp32 FMAs
+        or int8: vpmaddubsw + vpaddw, the integer path's inner step); AVX2 only."""
+        best = 0.0
+        for _ in range(runs):
+            done = ctypes.c_double()
+            start = time.perf_counter()
+            check(self.lib, self.lib.pnmix_madd_rate(kind.encode(), threads, iterations, ctypes.byref(done)))
+            best = max(best, done.value / (time.perf_counter() - start))
+        return best
 
 
 def dump_state(layout: CacheLayout, state: Dict[str, torch.Tensor], seq_len: int) -> bytes:

@@ -16,7 +16,9 @@ Implementations (names in the JSON):
   baseline we know, reported so the packed kernels' ratios are not flattered;
 * ``reference``: pnmix.reference.attend on the packed cache (dequantizes the whole cache each
   step; skipped above 32K tokens unless named in ``--impls``);
-* ``core``: libpnmix_core's packed decode attention (CPU threads, AVX2/AVX-512);
+* ``core``: libpnmix_core's packed decode attention (CPU threads, AVX2/AVX-512), exact fp32 arithmetic;
+* ``core_int8``: the same kernel on its integer path (``pnmix_set_attend_arith("int8")``: weights
+  rounded to int8, codes multiplied as bytes; AVX2), with ``arith`` saying which halves ran it;
 * ``ort_gqa_fp32``, ``ort_gqa_fp16``, ``ort_gqa_int8``, ``ort_gqa_int4`` (scales per KV head and
   channel) and ``ort_gqa_int8_tensor``, ``ort_gqa_int4_tensor`` (one scale): ONNX Runtime's
   GroupQueryAttention on CPU over its dense and quantized KV caches (pnmix.bench.ort_peers), each with its
@@ -45,6 +47,11 @@ multiply-add per query head, cached token and channel for the scores and one for
 (decode_flops); each result's ``gflops`` is that over its time and ``compute_fraction`` its share
 of the fp32 rate. A kernel far below both limits is bound by neither; one near the compute limit
 cannot reach the bandwidth limit by better memory access.
+
+The register rates, in the same run (libpnmix_core's pnmix_madd_rate, AVX2): ``machine.fp32_fma_gflops``
+(independent fp32 FMAs) and ``machine.int8_madd_gops`` (vpmaddubsw + vpaddw pairs, the integer path's
+inner step), both counting 2 operations per multiply-add; ``core_int8``'s ``int8_fraction`` is its
+share of the int8 rate, and the notes print the step's multiply-adds at each rate.
 """
 
 from __future__ import annotations
@@ -68,12 +75,14 @@ from pnmix.bench.ort_peers import MODES as ORT_MODES
 from pnmix.bench.report import optional_text, print_table, run_report, skipped_notes
 from pnmix.bench.timing import Timing, best_seconds, round_order, time_calls, time_once
 
-CPU_IMPLS = ("sdpa_fp32", "sdpa_bf16", "sdpa_fp32_grouped", "sdpa_bf16_grouped", "reference", "core",
+CPU_IMPLS = ("sdpa_fp32", "sdpa_bf16", "sdpa_fp32_grouped", "sdpa_bf16_grouped", "reference", "core", "core_int8",
              "ort_gqa_fp32", "ort_gqa_fp16", "ort_gqa_int8", "ort_gqa_int4", "ort_gqa_int8_tensor",
              "ort_gqa_int4_tensor")
 SDPA_DTYPES = {"sdpa_fp32": torch.float32, "sdpa_bf16": torch.bfloat16, "sdpa_fp16": torch.float16,
                "sdpa_fp32_grouped": torch.float32, "sdpa_bf16_grouped": torch.bfloat16}
 GPU_IMPLS = ("sdpa_fp16", "triton", "cuda")
+PACKED_CORE = {"core": "fp32", "core_int8": "int8"}  # libpnmix_core's rows and their arithmetic
+PACKED_IMPLS = ("core", "core_int8", "triton", "cuda")
 ALL_IMPLS = CPU_IMPLS + GPU_IMPLS
 GPU_FACTORIES = {"triton": "pnmix.backends.triton_ops:bench_factory", "cuda": "pnmix.backends.cuda_ops:bench_factory"}
 STREAM_BYTES = 256 << 20  # the bandwidth probe's buffer: 8x a 32 MiB L3, so it streams from memory
@@ -144,16 +153,19 @@ def make_impl(name: str, ctx: dict):
         state = {key: t.to(device) for key, t in ctx["state"].items()}
         q = ctx["q"].to(device)
         return (lambda: reference.attend(q, layout, state, n)), device, packed, packed + 2 * dense_bytes(layout, n, 4)
-    if name == "core":
+    if name in PACKED_CORE:
         from pnmix._native import NativeLibraryError
         from pnmix.backends.core_ops import CoreOps
 
         try:
             ops = CoreOps(ctx["threads"])
-        except NativeLibraryError as exc:  # not built here: a skip with the reason, like the GPU impls
+            # the arithmetic is process-wide: each row sets its own before it is timed
+            ops.set_arith(PACKED_CORE[name])
+        except (NativeLibraryError, PnMixError) as exc:  # not built, or no AVX2: a skip with the reason
             raise Skip(str(exc)) from None
         state, q = ctx["state"], ctx["q"]
         ctx["core_isa"] = ops.isa()
+        ctx.setdefault("arith", {})[name] = ops.arith_for(layout)
         return (lambda: ops.attend(q, layout, state, n, None, None)), "cpu", packed, packed
     if name in ORT_MODES:
         from pnmix.bench import ort_peers  # noqa: F811
@@ -322,6 +334,21 @@ def matmul_gflops(threads: int, n: int = MATMUL_SIZE, runs: int = MATMUL_RUNS) -
     return 2 * n ** 3 / _best_seconds(threads, lambda: torch.mm(a, b, out=out), runs) / 1e9
 
 
+def madd_rates(threads: int) -> Dict[str, Optional[float]]:
+    """fp32 FMA and int8 multiply-add rates with the data in registers (GFLOP/s and GOP/s, 2 per
+    multiply-add), from libpnmix_core; None where it is not built or the CPU lacks AVX2."""
+    from pnmix._native import NativeLibraryError
+
+    try:
+        from pnmix.backends.core_ops import CoreOps
+
+        ops = CoreOps(threads)
+        return {"fp32_fma_gflops": 2 * ops.madd_rate("fp32", threads) / 1e9,
+                "int8_madd_gops": 2 * ops.madd_rate("int8", threads) / 1e9}
+    except (NativeLibraryError, PnMixError):
+        return {"fp32_fma_gflops": None, "int8_madd_gops": None}
+
+
 def decode_flops(batch: int, q_heads: int, context: int, head_dim: int) -> int:
     """The arithmetic of one decode-attention step, however the cache is stored: per query head,
     cached token and channel one multiply-add for the score and one for the value sum (2 flops
@@ -349,6 +376,7 @@ def run_decode_bench(context: int, batch: int = defaults.DECODE_BATCH, q_heads: 
     used_threads = threads or torch.get_num_threads()
     stream_gbs = stream_read_gbs(used_threads)
     fp32_gflops = matmul_gflops(used_threads)
+    register_rates = madd_rates(used_threads)
     flops = decode_flops(batch, q_heads, context, head_dim)
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(batch, kv_heads, context, head_dim, generator=g).half()
@@ -392,6 +420,13 @@ def run_decode_bench(context: int, batch: int = defaults.DECODE_BATCH, q_heads: 
             "bandwidth_fraction": gbs / stream_gbs if where == "cpu" else None,
             "flops": flops, "gflops": gflops, "compute_fraction": gflops / fp32_gflops if where == "cpu" else None,
         })
+    int8_rate = register_rates["int8_madd_gops"]
+    for r in results:
+        if r["impl"] in ctx.get("arith", {}):
+            r["arith"] = ctx["arith"][r["impl"]]
+        if r["impl"] == "core_int8" and int8_rate:
+            r["int8_fraction"] = r["gflops"] / int8_rate
+    _restore_arith(ctx)
     _add_ratios(results)
     _add_agreement(results, outputs, ctx)
     return {
@@ -403,8 +438,17 @@ def run_decode_bench(context: int, batch: int = defaults.DECODE_BATCH, q_heads: 
         "core_isa": ctx.get("core_isa"),
         "results": results,
         "skipped": [{"impl": name, "reason": reason} for name, reason in skipped.items()],
-        "machine": {**describe_machine(device, used_threads), "stream_gbs": stream_gbs, "matmul_gflops": fp32_gflops},
+        "machine": {**describe_machine(device, used_threads), "stream_gbs": stream_gbs, "matmul_gflops": fp32_gflops,
+                    **register_rates},
     }
+
+
+def _restore_arith(ctx: dict) -> None:
+    """Back to the environment's arithmetic (PNMIX_ATTEND_ARITH) after the core rows set theirs."""
+    if ctx.get("arith"):
+        from pnmix.backends.core_ops import CoreOps
+
+        CoreOps().set_arith("auto")
 
 
 def _add_ratios(results: List[dict]) -> None:
@@ -431,14 +475,14 @@ def _add_agreement(results: List[dict], outputs: Dict[str, torch.Tensor], ctx: d
     was not timed and the cache is small enough), and vs dense fp32 SDPA for everyone."""
     want = outputs.get("reference")
     if want is None and ctx["context"] <= REFERENCE_AUTO_LIMIT and any(
-            r["impl"] in ("core", "triton", "cuda") for r in results):
+            r["impl"] in PACKED_IMPLS for r in results):
         from pnmix import reference
 
         want = reference.attend(ctx["q"], ctx["layout"], ctx["state"], ctx["context"])
     dense = outputs.get("sdpa_fp32")
     for r in results:
         out = outputs[r["impl"]]
-        if want is not None and r["impl"] in ("core", "triton", "cuda", "reference"):
+        if want is not None and r["impl"] in PACKED_IMPLS + ("reference",):
             r["max_abs_diff_vs_reference"] = float((out - want).abs().max())
         if dense is not None:
             r["max_abs_diff_vs_sdpa_fp32"] = float((out - dense).abs().max())
@@ -483,6 +527,16 @@ def _notes(report: dict) -> List[str]:
     floor_ms = decode_flops(report["batch"], report["q_heads"], report["context"], report["head_dim"]) / rate / 1e6
     notes.append(f"fp32 arithmetic rate (matrix product), same threads: {rate:.1f} GFLOP/s; a step's "
                  f"multiply-adds alone take {floor_ms:.2f} ms at that rate (\"of fp32 peak\" is each row's share of it)")
+    fma, int8 = machine.get("fp32_fma_gflops"), machine.get("int8_madd_gops")
+    if fma and int8:
+        flops = decode_flops(report["batch"], report["q_heads"], report["context"], report["head_dim"])
+        notes.append(f"register rates, same threads: fp32 FMA {fma:.1f} GFLOP/s, int8 vpmaddubsw+vpaddw {int8:.1f} GOP/s "
+                     f"({int8 / fma:.2f}x); the step's multiply-adds take {flops / fma / 1e6:.2f} ms at the first and "
+                     f"{flops / int8 / 1e6:.2f} ms at the second")
+    for r in report["results"]:
+        if "arith" in r and r["impl"] == "core_int8":
+            share = f", {r['int8_fraction']:.0%} of the int8 rate" if "int8_fraction" in r else ""
+            notes.append(f"core_int8 ran: {r['arith']}{share}")
     ratio = report["dense_fp16_bytes"] / report["packed_bytes"]
     notes.append(f"packed cache {report['packed_bytes'] / mb:.2f} MB vs fp16 {report['dense_fp16_bytes'] / mb:.2f} MB "
                  f"({ratio:.2f}x smaller); core kernel: {report['core_isa'] or '-'}; "

@@ -50,9 +50,11 @@ def verify(backend: str, run: RunConfig, manifest: Dict[str, Any], seeds: List[i
                for mine, ref in zip(ours, refs)]
     rows = compare(manifest, run, aggregate(ours), [{"metrics": r.metrics} for r in ours])
     manifest_passed = not any(row.failed for row in rows)
+    arith = core_arith(backend, options)
     return {
         "backend": backend,
         **({"ops": options["ops"]} if "ops" in options else {}),  # which implementation of the ONNX ops ran
+        **({"attend_arith": arith} if arith else {}),  # libpnmix_core's arithmetic, where it ran
         "passed": manifest_passed and all(r["passed"] for r in records),
         "tolerance": tolerance,
         "config": run.config.to_dict(),
@@ -64,6 +66,20 @@ def verify(backend: str, run: RunConfig, manifest: Dict[str, Any], seeds: List[i
             "rows": [{"metric": r.metric, "manifest": r.manifest, "ours": r.ours, "verdict": r.verdict} for r in rows],
         },
     }
+
+
+def core_arith(backend: str, options: Dict[str, Any]) -> Any:
+    """The attention arithmetic libpnmix_core was asked for (fp32, exact, or int8: PNMIX_ATTEND_ARITH)
+    when the backend runs its kernels (the core backend, ONNX Runtime's native ops); else None."""
+    if backend != "core" and options.get("ops") != "native":
+        return None
+    from pnmix._native import NativeLibraryError
+    from pnmix.backends.core_ops import CoreOps
+
+    try:
+        return CoreOps().arith()
+    except NativeLibraryError:
+        return None
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:

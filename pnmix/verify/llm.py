@@ -47,6 +47,7 @@ from pnmix import defaults
 from pnmix.errors import PnMixError
 from pnmix.format import STATE_DTYPES, STATE_NAMES
 from pnmix.io import JsonReport
+from pnmix.verify import core_arith
 
 from pnmix.backends.onnxruntime.llm_session import LlmSession
 from pnmix.export.llm_file import MODEL_FACTS, check_model, read_llm_info
@@ -272,7 +273,8 @@ def _report(info, onnx_path, model, steps, tokens_ort, tokens_torch, prompt_toke
         "kv_bitwise_equal_share": min(s["kv_bitwise_equal_share"] for s in steps),
         "steps": steps, "passed": passed, "metrics": {},
         "runtime": {"name": session.runtime_name, "elapsed_seconds": seconds,
-                    "ops": getattr(session, "ops", None)},
+                    "ops": getattr(session, "ops", None),
+                    "attend_arith": core_arith("onnx", {"ops": getattr(session, "ops", None)})},
     }
     return {
         "backend": session.backend, "passed": passed, "tolerance": tolerance, "config": info.config.to_dict(),
@@ -305,6 +307,8 @@ def print_and_write(report: Dict[str, Any], report_file: JsonReport) -> int:
     runtime = run["runtime"]["name"]
     if run["runtime"].get("ops"):
         runtime += f" ({run['runtime']['ops']} ops)"
+    if run["runtime"].get("attend_arith"):
+        runtime += f", {run['runtime']['attend_arith']} attention"
 
     def exact(value) -> str:
         return "n/a" if value is None else "yes" if value else "NO"

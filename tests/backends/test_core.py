@@ -419,3 +419,104 @@ def test_state_bytes_match_python_layout():
             out = ctypes.c_int64()
             core_ops.check(lib, lib.pnmix_persistent_bytes(ctypes.byref(core_ops.c_layout(layout)), seq_len, ctypes.byref(out)))
             assert out.value == layout.persistent_bytes(seq_len)["persistent_cache_bytes"]
+
+
+# ---- the integer path (pnmix_set_attend_arith("int8")) ------------------------------------------
+
+INT8_CONFIGS = {  # (config, head_dim, what the integer path takes)
+    "manifest_d128": (PnMixConfig(), 128, "int8"),
+    "manifest_d64": (PnMixConfig(), 64, "int8"),  # 16-byte value rows: two tokens per vector
+    "g32_k42_v4": (PnMixConfig(pair_layout="half", key_high_bits=4, key_low_bits=2, value_bits=4, group_size=32,
+                               residual_size=96, sink_tokens=8, high_ratio=0.25), 64, "int8"),
+    "v1_d128": (PnMixConfig(key_high_bits=2, key_low_bits=1, value_bits=1, group_size=64, residual_size=64,
+                            high_ratio=0.3), 128, "int8"),
+    "odd_pair_count": (PnMixConfig(high_ratio=0.3, pair_layout="half"), 64, "int8"),  # 19 channel pairs per class
+    "value_blocks": (PnMixConfig(value_group_size=32), 128, "int8 keys, fp32 values"),
+    "wide_keys": (PnMixConfig(key_high_bits=5, group_size=64, residual_size=64), 128, "fp32 keys, int8 values"),
+    "odd": (CONFIGS["odd"], 32, "fp32"),
+}
+INT8_TOLERANCE = 0.05  # max |int8 - reference| on these caches (|output| up to ~1, peaked softmax)
+
+
+def _int8_case(config, head_dim, seq_len=900, n_new=3, scale=2.0, seed=11):
+    layout = CacheLayout(config, 1, 2, head_dim, seq_len + n_new)
+    k, v = make_random_kv(1, 2, seq_len + n_new, head_dim, seed=seed)
+    state, _ = run_schedule(append_reference, layout, [seq_len], k[:, :, :seq_len], v[:, :, :seq_len])
+    q = torch.randn(1, 8, 2, head_dim, generator=torch.Generator().manual_seed(5)) * scale
+    return layout, state, q, k[:, :, seq_len:], v[:, :, seq_len:]
+
+
+@pytest.fixture
+def arith(ops):
+    yield ops
+    ops.set_arith("auto")
+    ops.threads = 0
+
+
+@pytest.mark.parametrize("name", list(INT8_CONFIGS))
+def test_int8_path_stays_within_its_error_of_the_reference(arith, name):
+    config, head_dim, expected_path = INT8_CONFIGS[name]
+    layout, state, q, k_new, v_new = _int8_case(config, head_dim)
+    seq_len = layout.max_seq_len - k_new.shape[2]
+    want = reference.attend(q, layout, state, seq_len, k_new, v_new)
+    arith.set_arith("fp32")
+    exact = arith.attend(q, layout, state, seq_len, k_new, v_new)
+    arith.set_arith("int8")
+    assert arith.arith() == "int8"
+    assert arith.arith_for(layout) == expected_path
+    got = arith.attend(q, layout, state, seq_len, k_new, v_new)
+    if expected_path == "fp32":  # nothing taken: the fp32 kernel, bit for bit
+        assert torch.equal(got, exact)
+    else:  # the rounding shows, and stays small
+        assert (got - exact).abs().max().item() > 0
+        assert (got - want).abs().max().item() <= INT8_TOLERANCE, name
+    # the split over threads changes only the merge's rounding
+    arith.threads = 1
+    one = arith.attend(q, layout, state, seq_len, k_new, v_new)
+    arith.threads = 3
+    three = arith.attend(q, layout, state, seq_len, k_new, v_new)
+    assert (one - three).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_int8_value_weights_are_dithered_not_rounded_to_nearest(arith, head_dim):
+    """In a peaked softmax most of a 128-token group's value weights are under half an int8 level of
+    its largest: rounded to nearest they would all vanish, a bias that adds up over the groups (mean
+    |error| 0.9-2.0e-2 over seeds 11-13, measured). Dithered they are right on average (2.6-4.4e-3).
+    Keys stay fp32 here (5-bit), so this is the values' error alone."""
+    config = PnMixConfig(key_high_bits=5, key_low_bits=5, group_size=128, residual_size=128)
+    layout, state, q, _, _ = _int8_case(config, head_dim, seq_len=1500)
+    want = reference.attend(q[:, :, :1], layout, state, 1500)
+    arith.set_arith("int8")
+    assert arith.arith_for(layout) == "fp32 keys, int8 values"
+    got = arith.attend(q[:, :, :1], layout, state, 1500)
+    assert (got - want).abs().mean().item() <= 6e-3
+
+
+def test_int8_path_takes_negative_value_steps(arith):
+    """A state whose value steps are negative (appends never write one; a hand-made state can) runs the
+    signed variant and still agrees with the reference."""
+    layout, state, q, k_new, v_new = _int8_case(PnMixConfig(), 128)
+    state["value_step"].neg_()
+    seq_len = layout.max_seq_len - k_new.shape[2]
+    want = reference.attend(q, layout, state, seq_len, k_new, v_new)
+    arith.set_arith("int8")
+    got = arith.attend(q, layout, state, seq_len, k_new, v_new)
+    assert (got - want).abs().max().item() <= INT8_TOLERANCE
+
+
+def test_int8_arithmetic_errors_and_environment(arith):
+    with pytest.raises(PnMixError, match="unknown attention arithmetic 'int9'; choose auto, fp32 or int8"):
+        arith.set_arith("int9")
+    assert arith.arith() == "fp32"  # the default, and unchanged by the refusal
+    with pytest.raises(PnMixError, match="unknown multiply-add kind"):
+        arith.madd_rate("fp64", 1)
+    assert arith.madd_rate("int8", 1, iterations=1000, runs=1) > 0
+    import os
+    import subprocess
+    import sys
+
+    code = "from pnmix.backends.core_ops import CoreOps; o = CoreOps(); print(o.arith()); o.set_arith('fp32'); print(o.arith())"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PNMIX_ATTEND_ARITH": "int8"},
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["int8", "fp32"]  # the environment chooses, the call overrides

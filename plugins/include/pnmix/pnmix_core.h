@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define PNMIX_CORE_ABI_VERSION 4 /* 3: pnmix_core_struct_offset; 4: pnmix_attend_on */
+#define PNMIX_CORE_ABI_VERSION 5 /* 3: pnmix_core_struct_offset; 4: pnmix_attend_on; 5: pnmix_set_attend_arith */
 
 #if defined(_WIN32)
 #define PNMIX_API
@@ -101,6 +101,27 @@ PNMIX_API int pnmix_attend_on(const pnmix_layout* layout, const pnmix_state* sta
 PNMIX_API const char* pnmix_attend_isa(void);
 /* Force a kernel ("avx512vbmi", "avx512", "avx2", "scalar" or "auto" / null); for tests and benchmarks. */
 PNMIX_API int pnmix_set_attend_isa(const char* name);
+
+/* The arithmetic of the packed groups in pnmix_attend: "fp32" (exact: the default, what verify's
+ * byte-exactness reports use) or "int8": key weights (scale * q * key step) and value weights (softmax
+ * probability * value step) rounded to int8 per row and group and multiplied with the codes as
+ * bytes (AVX2 vpmaddubsw), 2-3x fewer instructions; the rounding adds an error of about 1/254 of a
+ * row's largest weight per group. The environment variable PNMIX_ATTEND_ARITH=int8 chooses it for
+ * a process; pnmix_set_attend_arith("fp32" | "int8" | "auto": back to the environment) overrides
+ * it. A layout the integer path does not take (key bits > 4, group_size not a multiple of 32;
+ * values: more than one value block per token, value bits other than 1, 2, 4) runs that half in
+ * fp32: pnmix_attend_arith_for says what a call with this layout runs ("int8", "int8 keys, fp32
+ * values", "fp32 keys, int8 values" or "fp32"). */
+PNMIX_API const char* pnmix_attend_arith(void);
+PNMIX_API int pnmix_set_attend_arith(const char* name);
+PNMIX_API const char* pnmix_attend_arith_for(const pnmix_layout* layout);
+
+/* The machine's multiply-add rate with the data in registers, for benchmarks: `threads` threads
+ * (<= 0: all cores) each run `iterations` rounds of 8 independent fp32 FMAs ("fp32": 8 multiply-adds
+ * each) or vpmaddubsw + vpaddw pairs ("int8": 32 multiply-adds of a byte code and an int8 weight
+ * each, the integer attention's inner step); *madds gets the multiply-adds done (time the call).
+ * AVX2 only (PNMIX_ERR_CONFIG elsewhere). */
+PNMIX_API int pnmix_madd_rate(const char* kind, int threads, int64_t iterations, double* madds);
 
 /* The header's fp16 conversions, exposed so tests can check them exhaustively:
  * half bits -> fp32, and fp32 -> half bits (saturating != 0: FORMAT.md's saturating fp16(.)). */

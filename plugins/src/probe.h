@@ -1,0 +1,14 @@
+// probe.h: register-resident multiply-add loops (probe_avx2.cc); each returns the multiply-adds done.
+#ifndef PNMIX_SRC_PROBE_H
+#define PNMIX_SRC_PROBE_H
+
+#include <stdint.h>
+
+namespace pnmix {
+
+double int8_madds(int64_t iterations);
+double fp32_madds(int64_t iterations);
+
+}  // namespace pnmix
+
+#endif  // PNMIX_SRC_PROBE_H
