@@ -246,10 +246,13 @@ class PagedLayerCache:
                v: torch.Tensor, scale: float) -> torch.Tensor:
         """Attention of q [nq, Hq, D] (the last nq positions) over the sequence's cache as stored, then
         the new k/v [H, n, D] in fp16 (the op semantics, docs/METHOD.md section 2.4) -> fp32 [nq, Hq, D].
-        ``scale`` is the model's; the kernels use 1/sqrt(D), so q is scaled by their ratio."""
+        ``scale`` is the model's; the kernels use 1/sqrt(D), so q is scaled by their ratio. Queries go
+        to the kernels in fp16, as PnMixCache's packed path (pnmix/hf/attention.py) hands them."""
         lay, state = self.state(kv_pages, block_table, slot, seq_len)
         ratio = scale * math.sqrt(self.pages.head_dim)
-        q4 = (q.float() * ratio if ratio != 1.0 else q.float()).transpose(0, 1).unsqueeze(0)  # [1, Hq, nq, D]
+        if not math.isclose(ratio, 1.0, rel_tol=1e-6):
+            q = q * ratio
+        q4 = q.to(torch.float16).transpose(0, 1).unsqueeze(0).contiguous()  # [1, Hq, nq, D]
         k16, v16 = k.to(torch.float16).unsqueeze(0), v.to(torch.float16).unsqueeze(0)
         if self.ops is None:
             out = reference.attend(q4, lay, state, seq_len, k16, v16)

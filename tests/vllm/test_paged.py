@@ -100,14 +100,14 @@ def test_attention_over_pages_equals_the_packed_cache(nq, ops_name):
     v = torch.randn(heads, total + nq, dim, generator=gen).half()
     paged.append(kv_pages, table, 0, 0, k[:, :total], v[:, :total])
     packed.append(k[None, :, :total], v[None, :, :total])
-    q = torch.randn(nq, q_heads, dim, generator=gen)
+    q = torch.randn(nq, q_heads, dim, generator=gen).half()  # the kernels take fp16 queries
     scale = 1.0 / math.sqrt(dim)
     got = paged.attend(kv_pages, table, 0, total, q, k[:, total:], v[:, total:], scale)
     want = packed.attend(q.transpose(0, 1)[None], k[None, :, total:], v[None, :, total:])[0].transpose(0, 1)
     assert torch.equal(got, want)
     # A model scale other than 1/sqrt(D) is folded into the queries.
     got2 = paged.attend(kv_pages, table, 0, total, q, k[:, total:], v[:, total:], 2 * scale)
-    want2 = packed.attend(2 * q.transpose(0, 1)[None], k[None, :, total:], v[None, :, total:])[0].transpose(0, 1)
+    want2 = packed.attend((2 * q).transpose(0, 1)[None], k[None, :, total:], v[None, :, total:])[0].transpose(0, 1)
     torch.testing.assert_close(got2, want2, rtol=1e-5, atol=1e-5)
 
 
