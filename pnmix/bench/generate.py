@@ -4,7 +4,8 @@ on a real model at long context (run_generate_bench; docs/HF.md).
 One prefill, at the longest context, fills every cache at every context; then each cache decodes
 greedily, the caches taking turns in rounds of ROUND_TOKENS steps, each step timed (tokens/s from
 the median step). Memory: the bytes each cache holds, and its peak with the full-precision K/V
-copy one layer's update makes per step.
+copy one layer's update makes per step. ``pnmix`` runs libpnmix_core's attention in the arithmetic the
+environment chooses (fp32 unless PNMIX_ATTEND_ARITH=int8), ``pnmix_int8`` on its integer path.
 """
 
 from __future__ import annotations
@@ -33,7 +34,10 @@ def random_llama(layers: int, hidden: int, heads: int, kv_heads: int, head_dim: 
     return LlamaForCausalLM(config).eval()
 
 
-GENERATE_CACHES = ("dynamic", "quanto4", "pnmix")
+GENERATE_CACHES = ("dynamic", "quanto4", "pnmix", "pnmix_int8")
+# PnMixCache's rows and the arithmetic of libpnmix_core's attention each runs ("auto": the
+# environment's, PNMIX_ATTEND_ARITH; pnmix_int8: the integer path)
+PNMIX_ARITH = {"pnmix": "auto", "pnmix_int8": "int8"}
 MAX_NEW_TOKENS = 1 << 16
 
 
@@ -64,6 +68,26 @@ def new_cache(kind: str, model) -> tuple[Any, str]:
     return PnMixCache(model_config=model.config), "pnmix"
 
 
+def set_core_arith(kind: str) -> None:
+    """Before a PnMixCache row's steps: the core attention's arithmetic for that row (process-wide)."""
+    if kind in PNMIX_ARITH:
+        from pnmix.backends.core_ops import CoreOps
+
+        CoreOps().set_arith(PNMIX_ARITH[kind])
+
+
+def int8_unavailable_reason() -> Optional[str]:
+    """Why the pnmix_int8 row cannot run here (no libpnmix_core, no AVX2), or None."""
+    from pnmix._native import NativeLibraryError
+
+    try:
+        set_core_arith("pnmix_int8")
+        set_core_arith("pnmix")
+    except (NativeLibraryError, PnMixError) as exc:
+        return str(exc)
+    return None
+
+
 def filled_cache(kind: str, model, keys: list, values: list, context: int) -> tuple[Any, str]:
     """A cache of `kind` holding the first `context` prompt tokens, filled the way the model's
     prefill fills it (evaluate.hand_over_prefill), and the attention implementation that reads it."""
@@ -77,7 +101,7 @@ def cache_memory(kind: str, cache) -> tuple[int, int]:
     """(bytes the cache holds, bytes its own tensors take as allocated, capacity included)."""
     from pnmix.hf.evaluate.kv_bytes import dynamic_cache_bytes, quantized_cache_bytes
 
-    if kind == "pnmix":
+    if kind in PNMIX_ARITH:
         return cache.persistent_bytes(), cache.allocated_bytes()
     held = quantized_cache_bytes(cache) if kind == "quanto4" else dynamic_cache_bytes(cache)
     return held, held
@@ -87,7 +111,7 @@ def layer_copy_bytes(kind: str, model, tokens: int, batch: int) -> int:
     """The full-precision K/V one layer's update builds per decode step next to what it holds:
     DynamicCache's torch.cat makes the grown K/V while the old ones live; QuantizedCache
     dequantizes the layer and concatenates (two copies); the packed path makes none."""
-    if kind == "pnmix":
+    if kind in PNMIX_ARITH:
         return 0
     config = model.config
     from pnmix.hf.models import ModelDims
@@ -107,6 +131,7 @@ class DecodeRun:
         self.model, self.kind, self.attn = model, kind, attn
         self.batch = first.shape[0]
         model.set_attn_implementation(attn)
+        set_core_arith(kind)
         with torch.no_grad():  # untimed warm-up: the first call of each layer path
             self.out = model(input_ids=first, cache=cache, use_cache=True)
         self.steps = Stopwatch()
@@ -115,6 +140,7 @@ class DecodeRun:
     @torch.no_grad()
     def step(self, count: int) -> None:
         self.model.set_attn_implementation(self.attn)
+        set_core_arith(self.kind)
         for _ in range(count):
             token = self.out.logits[:, -1:].argmax(-1)
             self.out = self.steps.time(self.model, input_ids=token, cache=self.out.cache, use_cache=True)
@@ -127,7 +153,11 @@ class DecodeRun:
         return {"tokens_per_s": self.batch / timing.median_s, "median_step_seconds": timing.median_s,
                 "decode_seconds": timing.total_s, "mean_tokens_per_s": self.batch * timing.count / timing.total_s,
                 "cache_bytes": held, "peak_bytes": self.peak + layer_copy_bytes(self.kind, self.model, tokens, self.batch),
-                "backend": getattr(self.out.cache, "ops_name", None)}
+                "backend": self.backend()}
+
+    def backend(self) -> Optional[str]:
+        name = getattr(self.out.cache, "ops_name", None)
+        return f"{name} int8" if name and self.kind == "pnmix_int8" else name
 
 
 def time_decodes(runs: List[DecodeRun], new_tokens: int) -> None:
@@ -183,12 +213,17 @@ def run_generate_bench(model, contexts: List[int], new_tokens: int = 64, caches:
     skipped = {}
     if "quanto4" in caches and quanto_unavailable_reason() is not None:
         skipped["quanto4"] = quanto_unavailable_reason()
+    if "pnmix_int8" in caches and int8_unavailable_reason() is not None:
+        skipped["pnmix_int8"] = int8_unavailable_reason()
     results = []
     for context in contexts:
         first = ids[:, context:context + 1]
         runs = [DecodeRun(model, kind, *filled_cache(kind, model, keys, values, context), first)
                 for kind in caches if kind not in skipped]
-        time_decodes(runs, new_tokens)
+        try:
+            time_decodes(runs, new_tokens)
+        finally:
+            set_core_arith("pnmix")  # back to the environment's arithmetic
         results += [{"cache": run.kind, "context": context, **run.result()} for run in runs]
         del runs
     _add_generate_ratios(results)

@@ -21,6 +21,7 @@ from pnmix.cli import app  # noqa: E402
 from pnmix.hf import register  # noqa: E402
 from pnmix.hf._deps import quanto_unavailable_reason  # noqa: E402
 from pnmix.bench.generate import (  # noqa: E402
+    int8_unavailable_reason,
     GENERATE_CACHES, ROUND_TOKENS, filled_cache, new_cache, prefill_kv, random_llama, time_decodes)
 
 CONTEXTS = (40, 300)  # 300: past the sink and the residual, so the pnmix cache holds groups
@@ -39,7 +40,8 @@ def test_report_has_every_cache_at_every_context(model_dir, tmp_path):
     assert "pnmix bench generate" in result.output
     report = json.loads(out.read_text())
     skipped = {s["cache"] for s in report["skipped"]}
-    assert skipped == (set() if quanto_unavailable_reason() is None else {"quanto4"})
+    assert skipped == ({"quanto4"} if quanto_unavailable_reason() else set()) | (
+        {"pnmix_int8"} if int8_unavailable_reason() else set())
     rows = {(r["cache"], r["context"]): r for r in report["results"]}
     assert set(rows) == {(c, n) for c in GENERATE_CACHES if c not in skipped for n in CONTEXTS}
     for r in report["results"]:
@@ -54,6 +56,12 @@ def test_report_has_every_cache_at_every_context(model_dir, tmp_path):
     assert dynamic["cache_bytes"] == 2 * 2 * 2 * (300 + 4) * 32 * 4
     assert rows[("pnmix", 300)]["cache_bytes"] < dynamic["cache_bytes"] / 4
     assert rows[("pnmix", 300)]["backend"] in ("core", "torch")
+    if "pnmix_int8" not in skipped:  # the same cache, its attention on the core's integer path
+        assert rows[("pnmix_int8", 300)]["backend"] == "core int8"
+        assert rows[("pnmix_int8", 300)]["cache_bytes"] == rows[("pnmix", 300)]["cache_bytes"]
+        from pnmix.backends.core_ops import CoreOps
+
+        assert CoreOps().arith() == "fp32"  # the bench gave the process its arithmetic back
     assert report["prefill_tokens"] == max(CONTEXTS)
 
 
