@@ -198,7 +198,9 @@ def _python(*args, **kwargs):
 @pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the fresh-process import driver needs os.fork")
 def test_every_module_imports_in_a_fresh_process():
-    names = sorted(n for n in package_modules() if n != "pnmix.__main__")  # __main__ runs the CLI
+    # __main__ runs the CLI; the vLLM backend subclasses vLLM's classes and is imported by vLLM only, in
+    # its own environment (tests/vllm/conftest.py imports it there).
+    names = sorted(n for n in package_modules() if n not in ("pnmix.__main__", "pnmix.vllm.backend"))
     result = _python("-c", _DRIVER, *names)
     assert result.returncode == 0 and "ALL IMPORTED" in result.stdout, result.stdout + result.stderr[-4000:]
 

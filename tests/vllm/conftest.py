@@ -19,7 +19,7 @@ def vllm_python() -> Path:
     if not path.is_file():
         reason = f"vLLM's Python not found at {path} (docs/VLLM.md: python -m venv --system-site-packages .venv-vllm ...)"
     else:
-        probe = subprocess.run([str(path), "-c", "import vllm, pnmix.vllm.plugin"], capture_output=True, text=True,
+        probe = subprocess.run([str(path), "-c", "import vllm, pnmix.vllm.plugin, pnmix.vllm.backend"], capture_output=True, text=True,
                                timeout=300)
         if probe.returncode != 0:
             reason = f"vLLM does not import with {path}: {(probe.stderr.strip().splitlines() or ['?'])[-1]}"
