@@ -105,9 +105,8 @@ const char* isa_name(Isa isa) {
   return isa == Isa::kAvx512Vbmi ? "avx512vbmi" : isa == Isa::kAvx512 ? "avx512" : isa == Isa::kAvx2 ? "avx2" : "scalar";
 }
 
-ItemFn item_function(const pnmix_layout& L) {
+ItemFn item_function(const pnmix_layout& L, const Int8Halves& int8) {
   Isa isa = best_isa();
-  const Int8Halves int8 = int8_halves(L);
   if (int8.keys || int8.values) isa = Isa::kAvx2;  // the integer path is written (and tested) for AVX2
 #if defined(PNMIX_HAVE_X86_KERNELS)
   const bool wide = isa == Isa::kAvx512 || isa == Isa::kAvx512Vbmi;
@@ -329,7 +328,7 @@ static int attend_impl(const pnmix_layout* layout, const pnmix_state* state, int
 
   AttendRun run;
   run.job = &job;
-  run.fn = item_function(L);
+  run.fn = item_function(L, int8);
   if (runner && nthreads > 1) {
     if (runner(runner_ctx, run_item, &run, items) != 0)
       return fail(PNMIX_ERR_INTERNAL, "the caller's parallel-for did not run the attention's work items");
