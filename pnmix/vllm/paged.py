@@ -62,16 +62,10 @@ class PageLayout:
                            self.config.sink_tokens + self.config.residual_size)
 
     def section_shapes(self) -> Dict[str, Tuple[int, ...]]:
-        """Shape of each group tensor for one (sequence, head, group)."""
-        lay, gs = self.layout, self.config.group_size
-        return {
-            "key_codes": (lay.key_group_bytes,),
-            "key_step": (self.head_dim,),
-            "key_offset": (self.head_dim,),
-            "value_codes": (gs, lay.value_token_bytes),
-            "value_step": (gs, lay.value_blocks),
-            "value_offset": (gs, lay.value_blocks),
-        }
+        """Shape of each group tensor for one (sequence, head, group): the format's state shapes
+        (CacheLayout.state_shapes, [B, H, G, ...]) past their first three dimensions."""
+        shapes = self.layout.state_shapes()
+        return {name: shapes[name][3:] for name in GROUP_TENSORS}
 
     def section_offsets(self) -> Dict[str, Tuple[int, int]]:
         """(first byte, byte count) of each group tensor inside one head's part of a page."""
