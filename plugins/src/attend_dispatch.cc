@@ -79,13 +79,16 @@ Isa best_isa() {
 // (attend_int8.inc), which the AVX2 kernel runs. PNMIX_ATTEND_ARITH=int8 chooses it for a process
 // (so it reaches every binding: Python, the ONNX Runtime op, a C++ app); pnmix_set_attend_arith
 // overrides it.
-enum class Arith { kUnset, kFp32, kInt8 };
+// A value of the variable other than fp32 or int8 (a typo) is kInvalid: every attention then fails
+// naming it, rather than running an arithmetic the user did not ask for.
+enum class Arith { kUnset, kFp32, kInt8, kInvalid };
 Arith forced_arith = Arith::kUnset;
 
 Arith requested_arith() {
   if (forced_arith != Arith::kUnset) return forced_arith;
   const char* env = getenv("PNMIX_ATTEND_ARITH");
-  return env && !strcmp(env, "int8") ? Arith::kInt8 : Arith::kFp32;
+  if (!env || !*env || !strcmp(env, "fp32")) return Arith::kFp32;
+  return !strcmp(env, "int8") ? Arith::kInt8 : Arith::kInvalid;
 }
 
 // The halves the integer path takes for this layout ({keys, values}), none unless requested and the
@@ -195,7 +198,10 @@ int pnmix_set_attend_isa(const char* name) {
   return ok();
 }
 
-const char* pnmix_attend_arith(void) { return requested_arith() == Arith::kInt8 ? "int8" : "fp32"; }
+const char* pnmix_attend_arith(void) {
+  const Arith a = requested_arith();
+  return a == Arith::kInt8 ? "int8" : a == Arith::kInvalid ? "invalid" : "fp32";
+}
 
 int pnmix_set_attend_arith(const char* name) {
   if (!name || !strcmp(name, "auto")) {
@@ -260,6 +266,9 @@ static int attend_impl(const pnmix_layout* layout, const pnmix_state* state, int
   const pnmix_layout& L = *layout;
   if (int rc = check_state(L, state)) return rc;
   if (int rc = check_seq_len(L, seq_len)) return rc;
+  if (requested_arith() == Arith::kInvalid)
+    return fail(PNMIX_ERR_CONFIG, "PNMIX_ATTEND_ARITH is '%s'; set it to fp32 or int8 (or unset it)",
+                getenv("PNMIX_ATTEND_ARITH"));
   const int64_t B = L.batch, H = L.kv_heads, D = L.head_dim;
   if (q_heads < 1 || q_heads > 65536 || q_heads % H)
     return fail(PNMIX_ERR_SIZE, "q_heads %lld must be a positive multiple of kv_heads %lld", (long long)q_heads,

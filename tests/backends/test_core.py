@@ -520,3 +520,12 @@ def test_int8_arithmetic_errors_and_environment(arith):
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PNMIX_ATTEND_ARITH": "int8"},
                          capture_output=True, text=True, check=True).stdout.split()
     assert out == ["int8", "fp32"]  # the environment chooses, the call overrides
+    # a typo in the variable is an error on every attention, not a silent fp32
+    code = ("import torch; from pnmix.backends.core_ops import CoreOps; from pnmix.config import PnMixConfig; "
+            "from pnmix.format import CacheLayout; o = CoreOps(); lay = CacheLayout(PnMixConfig(), 1, 1, 64, 8); "
+            "print(o.arith()); o.attend(torch.zeros(1, 1, 1, 64), lay, lay.empty_state(), 0, "
+            "torch.zeros(1, 1, 1, 64), torch.zeros(1, 1, 1, 64))")
+    run = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PNMIX_ATTEND_ARITH": "int-8"},
+                         capture_output=True, text=True)
+    assert run.returncode != 0 and run.stdout.split() == ["invalid"]
+    assert "PNMIX_ATTEND_ARITH is 'int-8'; set it to fp32 or int8 (or unset it)" in run.stderr

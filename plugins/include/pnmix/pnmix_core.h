@@ -107,8 +107,9 @@ PNMIX_API int pnmix_set_attend_isa(const char* name);
  * probability * value step) rounded to int8 per row and group and multiplied with the codes as
  * bytes (AVX2 vpmaddubsw), 2-3x fewer instructions; the rounding adds an error of about 1/254 of a
  * row's largest weight per group. The environment variable PNMIX_ATTEND_ARITH=int8 chooses it for
- * a process; pnmix_set_attend_arith("fp32" | "int8" | "auto": back to the environment) overrides
- * it. A layout the integer path does not take (key bits > 4, group_size not a multiple of 32;
+ * a process (any other value but fp32 makes every pnmix_attend fail with PNMIX_ERR_CONFIG, and
+ * pnmix_attend_arith say "invalid"); pnmix_set_attend_arith("fp32" | "int8" | "auto": back to the
+ * environment) overrides it. A layout the integer path does not take (key bits > 4, group_size not a multiple of 32;
  * values: more than one value block per token, value bits other than 1, 2, 4) runs that half in
  * fp32: pnmix_attend_arith_for says what a call with this layout runs ("int8", "int8 keys, fp32
  * values", "fp32 keys, int8 values" or "fp32"). */
