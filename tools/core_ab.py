@@ -1,9 +1,10 @@
 """A/B of libpnmix_core builds: the packed decode attention of each, in ONE process, over the same cache.
 
-    python tools/core_ab.py BUILD_DIR_A BUILD_DIR_B [--context 32768] [--threads 2] [--blocks 20]
+    python tools/core_ab.py BUILD_DIR_A[:ISA[:ARITH]] BUILD_DIR_B[:ISA[:ARITH]] [--context 32768] [--threads 2] [--blocks 20]
 
 Each folder holds a libpnmix_core.so (e.g. the installed pnmix/lib and a `cmake --build build/dev`
-of a change). The builds run in alternating blocks of five calls (pnmix.bench.timing's
+of a change); ISA (avx2, avx512, avx512vbmi, scalar; default auto) and ARITH (fp32, int8; default
+auto) pick a kernel of that build, so one build's kernels can be compared too (`B:avx2:int8 B:auto:fp32`). The builds run in alternating blocks of five calls (pnmix.bench.timing's
 time_interleaved), so drift of a shared or throttled machine hits both alike; two separate `pnmix bench decode` runs on a virtual machine can
 differ by 15-30%, more than most kernel changes. Prints whether the outputs are bitwise equal and
 each build's median, 10th percentile and minimum milliseconds per call (batch 1, 32 query / 8 KV
@@ -41,15 +42,23 @@ def main() -> None:
     k, v = (torch.randn(1, 8, n, 128, generator=generator).half() for _ in range(2))
     q = torch.randn(1, 32, 1, 128, generator=generator).half()
     state = fill_cache(layout, k, v, None)
-    implementations = []
-    for folder in args.builds:  # one library per folder: forget the loaded one, point the loader here
-        _native._loaded.pop("pnmix_core", None)
-        os.environ["PNMIX_LIB_DIR"] = folder
-        implementations.append(CoreOps(args.threads))
-    outputs = [ops.attend(q, layout, state, n, None, None) for ops in implementations]
+    libraries: dict[str, CoreOps] = {}
+    calls = []
+    for build in args.builds:
+        folder, isa, arith = (build.split(":") + ["auto", "auto"])[:3]
+        if folder not in libraries:  # one library per folder: forget the loaded one, point the loader here
+            _native._loaded.pop("pnmix_core", None)
+            os.environ["PNMIX_LIB_DIR"] = folder
+            libraries[folder] = CoreOps(args.threads)
+
+        def call(ops=libraries[folder], isa=isa, arith=arith):  # the ISA and arithmetic are process-wide
+            ops.set_isa(isa)
+            ops.set_arith(arith)
+            return ops.attend(q, layout, state, n, None, None)
+
+        calls.append(call)
+    outputs = [call() for call in calls]  # also each one's warm-up
     print("outputs bitwise equal:", all(torch.equal(outputs[0], out) for out in outputs[1:]))
-    # the calls above were each build's warm-up
-    calls = [lambda ops=ops: ops.attend(q, layout, state, n, None, None) for ops in implementations]
     timings = time_interleaved(calls, args.blocks, per_round=BLOCK_CALLS)
     for folder, timing in zip(args.builds, timings):
         print(f"{folder}: median {timing.median_s * 1e3:.3f} ms, p10 {timing.percentile_s(10) * 1e3:.3f}, "
