@@ -30,7 +30,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from ..errors import PnMixError
-from .config import BACKEND_NAME, check_engine, engine_config
+from .config import engine_config, layer_pages
 from .plugin import SELECT_AS
 from .paged import PagedLayerCache, PageLayout, SlotTable, prefill_attention, sequence_rows
 
@@ -124,14 +124,12 @@ class PnMixAttentionImpl(AttentionImpl[PnMixMetadata]):
         vllm_config = get_current_vllm_config()
         model = vllm_config.model_config.hf_config
         try:
-            check_engine(model_type=getattr(model, "model_type", None), kv_cache_dtype=kv_cache_dtype,
-                         prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
-                         sliding_window=sliding_window, alibi=alibi_slopes is not None,
-                         logits_soft_cap=logits_soft_cap, sinks=sinks is not None)
-            if kv_sharing_target_layer_name is not None:
-                raise PnMixError(f"the {BACKEND_NAME} backend does not share KV caches between layers")
-            self.pages = PageLayout(engine_config(model), num_kv_heads, head_size,
-                                    vllm_config.cache_config.block_size)
+            self.pages = layer_pages(
+                model, num_kv_heads=num_kv_heads, head_size=head_size,
+                block_size=vllm_config.cache_config.block_size, kv_cache_dtype=kv_cache_dtype,
+                prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching), sliding_window=sliding_window,
+                alibi=alibi_slopes is not None, logits_soft_cap=logits_soft_cap, sinks=sinks is not None,
+                kv_sharing=kv_sharing_target_layer_name is not None)
         except PnMixError as exc:
             raise _fail(exc) from None
         from ..backends import default_ops

@@ -11,6 +11,7 @@ from typing import Any, Optional
 from ..config import PnMixConfig, read_json_file
 from ..errors import PnMixError
 from ..hf.models import SUPPORTED_MODEL_TYPES, resolve_config
+from .paged import PageLayout
 
 BACKEND_NAME = "pn-mix"  # how errors name the backend (vLLM selects it as CUSTOM: plugin.py)
 CONFIG_ENV = "PNMIX_VLLM_CONFIG"  # a JSON file of config fields, as `pnmix verify --config` takes
@@ -51,3 +52,17 @@ def check_engine(*, model_type: Optional[str], kv_cache_dtype: str, prefix_cachi
                           ("attention sinks", sinks)):
         if present:
             raise PnMixError(f"the {BACKEND_NAME} backend does not support {what}")
+
+
+def layer_pages(model_config: Any, *, num_kv_heads: int, head_size: int, block_size: int, kv_cache_dtype: str,
+                prefix_caching: bool, sliding_window: Any = None, alibi: bool = False, logits_soft_cap: Any = None,
+                sinks: bool = False, kv_sharing: bool = False) -> PageLayout:
+    """Every start-up check of one attention layer (what the backend's layer constructor runs, before
+    vLLM allocates KV memory), then the layer's page layout: the engine's refusals, KV sharing, the
+    config against the head dim, the engine's block size against group_size."""
+    check_engine(model_type=getattr(model_config, "model_type", None), kv_cache_dtype=kv_cache_dtype,
+                 prefix_caching=prefix_caching, sliding_window=sliding_window, alibi=alibi,
+                 logits_soft_cap=logits_soft_cap, sinks=sinks)
+    if kv_sharing:
+        raise PnMixError(f"the {BACKEND_NAME} backend does not share KV caches between layers")
+    return PageLayout(engine_config(model_config), num_kv_heads, head_size, block_size)
