@@ -64,6 +64,7 @@ void attend_item_generic(const AttendJob& job, int64_t item);
 void attend_item_avx2(const AttendJob& job, int64_t item);
 void attend_item_avx512(const AttendJob& job, int64_t item);
 void attend_item_avx512vbmi(const AttendJob& job, int64_t item);
+void attend_item_avx512vnni(const AttendJob& job, int64_t item);
 
 }  // namespace pnmix
 

@@ -28,7 +28,7 @@ namespace {
 
 typedef void (*ItemFn)(const AttendJob&, int64_t);
 
-enum class Isa { kAuto, kScalar, kAvx2, kAvx512, kAvx512Vbmi };
+enum class Isa { kAuto, kScalar, kAvx2, kAvx512, kAvx512Vbmi, kAvx512Vnni };
 Isa forced_isa = Isa::kAuto;
 
 // F16C from cpuid leaf 1 (not every compiler's __builtin_cpu_supports knows "f16c"); the OS's
@@ -67,6 +67,15 @@ bool cpu_has_avx512vbmi() {
 #endif
 }
 
+bool cpu_has_avx512vnni() {
+#if defined(PNMIX_HAVE_X86_KERNELS)
+  return cpu_has_avx512vbmi() && __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
+// The fp32 path's kernel.
 Isa best_isa() {
   if (forced_isa != Isa::kAuto) return forced_isa;
   if (cpu_has_avx512vbmi()) return Isa::kAvx512Vbmi;
@@ -76,7 +85,8 @@ Isa best_isa() {
 }
 
 // The arithmetic of the packed groups: exact fp32 (the default) or the integer path
-// (attend_int8.inc), which the AVX2 kernel runs. PNMIX_ATTEND_ARITH=int8 chooses it for a process
+// (attend_int8.inc), which the AVX-512 VNNI kernel runs where the CPU has it and the AVX2 kernel
+// elsewhere. PNMIX_ATTEND_ARITH=int8 chooses it for a process
 // (so it reaches every binding: Python, the ONNX Runtime op, a C++ app); pnmix_set_attend_arith
 // overrides it.
 // A value of the variable other than fp32 or int8 (a typo) is kInvalid: every attention then fails
@@ -91,6 +101,8 @@ Arith requested_arith() {
   return !strcmp(env, "int8") ? Arith::kInt8 : Arith::kInvalid;
 }
 
+bool int8_requested() { return requested_arith() == Arith::kInt8 && cpu_has_avx2() && forced_isa != Isa::kScalar; }
+
 // The halves the integer path takes for this layout ({keys, values}), none unless requested and the
 // CPU has the AVX2 kernel.
 struct Int8Halves {
@@ -98,22 +110,33 @@ struct Int8Halves {
 };
 Int8Halves int8_halves(const pnmix_layout& L) {
   Int8Halves h;
-  if (requested_arith() != Arith::kInt8 || !cpu_has_avx2() || forced_isa == Isa::kScalar) return h;
+  if (!int8_requested()) return h;
   h.keys = int8_keys_supported(L);
   h.values = int8_values_supported(L);
   return h;
 }
 
 const char* isa_name(Isa isa) {
-  return isa == Isa::kAvx512Vbmi ? "avx512vbmi" : isa == Isa::kAvx512 ? "avx512" : isa == Isa::kAvx2 ? "avx2" : "scalar";
+  return isa == Isa::kAvx512Vnni   ? "avx512vnni"
+         : isa == Isa::kAvx512Vbmi ? "avx512vbmi"
+         : isa == Isa::kAvx512     ? "avx512"
+         : isa == Isa::kAvx2       ? "avx2"
+                                   : "scalar";
+}
+
+// The integer path's kernel: the VNNI one unless AVX2 is forced or the CPU lacks VNNI (a forced
+// avx512 or avx512vbmi runs the AVX2 pair kernel, the one those CPUs have).
+Isa int8_isa() {
+  const bool vnni = forced_isa == Isa::kAuto || forced_isa == Isa::kAvx512Vnni;
+  return vnni && cpu_has_avx512vnni() ? Isa::kAvx512Vnni : Isa::kAvx2;
 }
 
 ItemFn item_function(const pnmix_layout& L, const Int8Halves& int8) {
-  Isa isa = best_isa();
-  if (int8.keys || int8.values) isa = Isa::kAvx2;  // the integer path is written (and tested) for AVX2
+  Isa isa = int8.keys || int8.values ? int8_isa() : best_isa();
 #if defined(PNMIX_HAVE_X86_KERNELS)
-  const bool wide = isa == Isa::kAvx512 || isa == Isa::kAvx512Vbmi;
+  const bool wide = isa == Isa::kAvx512 || isa == Isa::kAvx512Vbmi || isa == Isa::kAvx512Vnni;
   if (wide && L.config.group_size % 16) isa = Isa::kAvx2;  // 16-token chunks need gs % 16
+  if (isa == Isa::kAvx512Vnni) return attend_item_avx512vnni;
   if (isa == Isa::kAvx512Vbmi) return attend_item_avx512vbmi;
   if (isa == Isa::kAvx512) return attend_item_avx512;
   if (isa == Isa::kAvx2) return attend_item_avx2;
@@ -176,7 +199,7 @@ using namespace pnmix::core;
 
 extern "C" {
 
-const char* pnmix_attend_isa(void) { return isa_name(best_isa()); }
+const char* pnmix_attend_isa(void) { return isa_name(int8_requested() ? int8_isa() : best_isa()); }
 
 int pnmix_set_attend_isa(const char* name) {
   if (!name || !strcmp(name, "auto")) {
@@ -192,8 +215,12 @@ int pnmix_set_attend_isa(const char* name) {
   } else if (!strcmp(name, "avx512vbmi")) {
     if (!cpu_has_avx512vbmi()) return fail(PNMIX_ERR_CONFIG, "this CPU (or build) has no AVX-512 VBMI");
     forced_isa = Isa::kAvx512Vbmi;
+  } else if (!strcmp(name, "avx512vnni")) {
+    if (!cpu_has_avx512vnni()) return fail(PNMIX_ERR_CONFIG, "this CPU (or build) has no AVX-512 VBMI and VNNI");
+    forced_isa = Isa::kAvx512Vnni;
   } else {
-    return fail(PNMIX_ERR_CONFIG, "unknown kernel '%s'; choose auto, scalar, avx2, avx512 or avx512vbmi", name);
+    return fail(PNMIX_ERR_CONFIG, "unknown kernel '%s'; choose auto, scalar, avx2, avx512, avx512vbmi or avx512vnni",
+                name);
   }
   return ok();
 }
@@ -225,14 +252,14 @@ const char* pnmix_attend_arith_for(const pnmix_layout* layout) {
 
 namespace {
 struct ProbeRun {
-  bool int8;
+  double (*loop)(int64_t iterations) = nullptr;
   int64_t iterations;
   std::atomic<double> madds{0.0};
 };
 void run_probe(void* ctx, int64_t) {
 #if defined(PNMIX_HAVE_X86_KERNELS)
   ProbeRun& run = *static_cast<ProbeRun*>(ctx);
-  const double done = run.int8 ? int8_madds(run.iterations) : fp32_madds(run.iterations);
+  const double done = run.loop(run.iterations);
   double seen = run.madds.load();
   while (!run.madds.compare_exchange_weak(seen, seen + done)) {
   }
@@ -251,7 +278,11 @@ int pnmix_madd_rate(const char* kind, int threads, int64_t iterations, double* m
   if (!cpu_has_avx2()) return fail(PNMIX_ERR_CONFIG, "the multiply-add probe needs AVX2/FMA, which this CPU (or build) lacks");
   const int n = resolve_threads(threads);
   ProbeRun run;
-  run.int8 = int8;
+#if defined(PNMIX_HAVE_X86_KERNELS)  // the instructions of the kernel the arithmetic runs on
+  const bool avx512 = best_isa() == Isa::kAvx512 || best_isa() == Isa::kAvx512Vbmi || best_isa() == Isa::kAvx512Vnni;
+  run.loop = int8 ? (int8_isa() == Isa::kAvx512Vnni ? int8_madds_vnni : int8_madds)
+                  : (avx512 ? fp32_madds_avx512 : fp32_madds);
+#endif
   run.iterations = iterations;
   parallel_for(n, n, run_probe, &run);
   *madds = run.madds.load();

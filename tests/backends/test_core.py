@@ -113,7 +113,7 @@ def test_attention_within_tolerance_of_reference(ops, name):
     k_new, v_new = k[:, :, seq_len:], v[:, :, seq_len:]
     q = torch.randn(2, 8, 4, 32, generator=torch.Generator().manual_seed(5)).half()
     expected = reference.attend(q, layout, state, seq_len, k_new, v_new)
-    isas = ["scalar", "avx2", "avx512", "avx512vbmi"]
+    isas = ["scalar", "avx2", "avx512", "avx512vbmi", "avx512vnni"]
     for isa in isas:
         try:
             ops.set_isa(isa)
@@ -446,15 +446,48 @@ def _int8_case(config, head_dim, seq_len=900, n_new=3, scale=2.0, seed=11):
     return layout, state, q, k[:, :, seq_len:], v[:, :, seq_len:]
 
 
-@pytest.fixture
-def arith(ops):
+def cpu_flags() -> set:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next(line for line in f if line.startswith("flags")).split(":")[1].split())
+    except (OSError, StopIteration):
+        return set()
+
+
+HAS_VNNI = {"avx512vbmi", "avx512_vnni"} <= cpu_flags()
+
+
+@pytest.fixture(params=["avx2", "avx512vnni"])
+def arith(ops, request):
+    """The core with each of the integer path's kernels forced: the AVX2 pair kernel and the AVX-512
+    VNNI one (skipped on a CPU without AVX-512 VBMI and VNNI)."""
+    try:
+        ops.set_isa(request.param)
+    except PnMixError:
+        pytest.skip(f"this CPU has no {request.param} kernel (it needs AVX-512 VBMI and VNNI)")
     yield ops
     ops.set_arith("auto")
+    ops.set_isa("auto")
     ops.threads = 0
 
 
+def test_int8_runs_the_vnni_kernel_where_the_cpu_has_it(ops):
+    assert ops.isa() in ("scalar", "avx2", "avx512", "avx512vbmi")  # fp32: the fp32 kernels
+    ops.set_arith("int8")
+    try:
+        assert ops.isa() == ("avx512vnni" if HAS_VNNI else "avx2")
+        ops.set_isa("avx2")  # a forced AVX2 runs the pair kernel
+        assert ops.isa() == "avx2"
+    finally:
+        ops.set_arith("auto")
+        ops.set_isa("auto")
+    if not HAS_VNNI:
+        with pytest.raises(PnMixError, match="no AVX-512 VBMI and VNNI"):
+            ops.set_isa("avx512vnni")
+
+
 @pytest.mark.parametrize("name", list(INT8_CONFIGS))
-def test_int8_path_stays_within_its_error_of_the_reference(arith, name):
+def test_int8_path_stays_within_its_error_of_the_reference(arith, name, request):
     config, head_dim, expected_path = INT8_CONFIGS[name]
     layout, state, q, k_new, v_new = _int8_case(config, head_dim)
     seq_len = layout.max_seq_len - k_new.shape[2]
@@ -462,7 +495,7 @@ def test_int8_path_stays_within_its_error_of_the_reference(arith, name):
     arith.set_arith("fp32")
     exact = arith.attend(q, layout, state, seq_len, k_new, v_new)
     arith.set_arith("int8")
-    assert arith.arith() == "int8"
+    assert arith.arith() == "int8" and arith.isa() == request.node.callspec.params["arith"]
     assert arith.arith_for(layout) == expected_path
     got = arith.attend(q, layout, state, seq_len, k_new, v_new)
     if expected_path == "fp32":  # nothing taken: the fp32 kernel, bit for bit

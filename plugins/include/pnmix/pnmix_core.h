@@ -97,15 +97,18 @@ PNMIX_API int pnmix_attend_on(const pnmix_layout* layout, const pnmix_state* sta
                     int threads, pnmix_parallel_for runner, void* runner_ctx);
 
 /* The attention kernel in use: "avx512vbmi", "avx512", "avx2" or "scalar" (chosen at run time from
- * cpuid; groups whose size is not a multiple of 16 use "avx2" in place of the AVX-512 kernels). */
+ * cpuid; groups whose size is not a multiple of 16 use "avx2" in place of the AVX-512 kernels). With
+ * the integer arithmetic requested (pnmix_attend_arith), the kernel of the integer path: "avx512vnni"
+ * where the CPU has AVX-512 VBMI and VNNI, else "avx2". */
 PNMIX_API const char* pnmix_attend_isa(void);
-/* Force a kernel ("avx512vbmi", "avx512", "avx2", "scalar" or "auto" / null); for tests and benchmarks. */
+/* Force a kernel ("avx512vnni", "avx512vbmi", "avx512", "avx2", "scalar" or "auto" / null); for tests
+ * and benchmarks. The integer path runs on "avx512vnni" (auto or forced) or "avx2" (any other). */
 PNMIX_API int pnmix_set_attend_isa(const char* name);
 
 /* The arithmetic of the packed groups in pnmix_attend: "fp32" (exact: the default, what verify's
  * byte-exactness reports use) or "int8": key weights (scale * q * key step) and value weights (softmax
  * probability * value step) rounded to int8 per row and group and multiplied with the codes as
- * bytes (AVX2 vpmaddubsw), 2-3x fewer instructions; the rounding adds an error of about 1/254 of a
+ * bytes (AVX-512 VNNI vpdpbusd, or AVX2 vpmaddubsw), 2-3x fewer instructions; the rounding adds an error of about 1/254 of a
  * row's largest weight per group. The environment variable PNMIX_ATTEND_ARITH=int8 chooses it for
  * a process (any other value but fp32 makes every pnmix_attend fail with PNMIX_ERR_CONFIG, and
  * pnmix_attend_arith say "invalid"); pnmix_set_attend_arith("fp32" | "int8" | "auto": back to the
@@ -118,10 +121,11 @@ PNMIX_API int pnmix_set_attend_arith(const char* name);
 PNMIX_API const char* pnmix_attend_arith_for(const pnmix_layout* layout);
 
 /* The machine's multiply-add rate with the data in registers, for benchmarks: `threads` threads
- * (<= 0: all cores) each run `iterations` rounds of 8 independent fp32 FMAs ("fp32": 8 multiply-adds
- * each) or vpmaddubsw + vpaddw pairs ("int8": 32 multiply-adds of a byte code and an int8 weight
- * each, the integer attention's inner step); *madds gets the multiply-adds done (time the call).
- * AVX2 only (PNMIX_ERR_CONFIG elsewhere). */
+ * (<= 0: all cores) each run `iterations` rounds of 8 independent instructions of the kernel that
+ * arithmetic runs on (pnmix_attend_isa): "fp32": FMAs of 8 lanes (AVX2) or 16 (AVX-512 kernels);
+ * "int8": vpmaddubsw + vpaddw pairs (AVX2: 32 multiply-adds of a byte code and an int8 weight) or
+ * vpdpbusd (avx512vnni: 64); *madds gets the multiply-adds done (time the call). AVX2 and newer
+ * only (PNMIX_ERR_CONFIG elsewhere). */
 PNMIX_API int pnmix_madd_rate(const char* kind, int threads, int64_t iterations, double* madds);
 
 /* The header's fp16 conversions, exposed so tests can check them exhaustively:
