@@ -134,7 +134,8 @@ class CoreOps(CacheOps):
 
     def madd_rate(self, kind: str, threads: int, iterations: int = 4_000_000, runs: int = 3) -> float:
         """Multiply-adds per second with the data in registers, the best of `runs` (kind: fp32 FMAs
-        or int8: vpmaddubsw + vpaddw, the integer path's inner step); AVX2 only."""
+        or int8: the integer path's inner step), with the instructions of the kernel that arithmetic
+        runs on (isa() under it); AVX2 and newer."""
         best = 0.0
         for _ in range(runs):
             done = ctypes.c_double()

@@ -17,8 +17,10 @@ Implementations (names in the JSON):
 * ``reference``: pnmix.reference.attend on the packed cache (dequantizes the whole cache each
   step; skipped above 32K tokens unless named in ``--impls``);
 * ``core``: libpnmix_core's packed decode attention (CPU threads, AVX2/AVX-512), exact fp32 arithmetic;
-* ``core_int8``: the same kernel on its integer path (``pnmix_set_attend_arith("int8")``: weights
-  rounded to int8, codes multiplied as bytes; AVX2), with ``arith`` saying which halves ran it;
+* ``core_int8``: the same library on its integer path (``pnmix_set_attend_arith("int8")``: weights
+  rounded to int8, codes multiplied as bytes; the avx512vnni kernel where the CPU has AVX-512 VBMI
+  and VNNI, else avx2), with ``arith`` saying which halves ran it; each core row's ``isa`` names
+  its kernel;
 * ``ort_gqa_fp32``, ``ort_gqa_fp16``, ``ort_gqa_int8``, ``ort_gqa_int4`` (scales per KV head and
   channel) and ``ort_gqa_int8_tensor``, ``ort_gqa_int4_tensor`` (one scale): ONNX Runtime's
   GroupQueryAttention on CPU over its dense and quantized KV caches (pnmix.bench.ort_peers), each with its
@@ -48,10 +50,12 @@ multiply-add per query head, cached token and channel for the scores and one for
 of the fp32 rate. A kernel far below both limits is bound by neither; one near the compute limit
 cannot reach the bandwidth limit by better memory access.
 
-The register rates, in the same run (libpnmix_core's pnmix_madd_rate, AVX2): ``machine.fp32_fma_gflops``
-(independent fp32 FMAs) and ``machine.int8_madd_gops`` (vpmaddubsw + vpaddw pairs, the integer path's
-inner step), both counting 2 operations per multiply-add; ``core_int8``'s ``int8_fraction`` is its
-share of the int8 rate, and the notes print the step's multiply-adds at each rate.
+The register rates, in the same run (libpnmix_core's pnmix_madd_rate), with the instructions of the
+kernel each arithmetic runs on (``machine.fp32_fma_isa``, ``machine.int8_madd_isa``):
+``machine.fp32_fma_gflops`` (independent fp32 FMAs, 8 or 16 lanes) and ``machine.int8_madd_gops``
+(the integer path's inner step: vpmaddubsw + vpaddw pairs on avx2, vpdpbusd on avx512vnni), both
+counting 2 operations per multiply-add; ``core_int8``'s ``int8_fraction`` is its share of the int8
+rate, and the notes print the step's multiply-adds at each rate.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ import importlib
 import math
 import statistics
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -164,7 +168,9 @@ def make_impl(name: str, ctx: dict):
         except (NativeLibraryError, PnMixError) as exc:  # not built, or no AVX2: a skip with the reason
             raise Skip(str(exc)) from None
         state, q = ctx["state"], ctx["q"]
-        ctx["core_isa"] = ops.isa()
+        ctx.setdefault("isa", {})[name] = ops.isa()
+        if name == "core":
+            ctx["core_isa"] = ops.isa()
         ctx.setdefault("arith", {})[name] = ops.arith_for(layout)
         return (lambda: ops.attend(q, layout, state, n, None, None)), "cpu", packed, packed
     if name in ORT_MODES:
@@ -334,19 +340,28 @@ def matmul_gflops(threads: int, n: int = MATMUL_SIZE, runs: int = MATMUL_RUNS) -
     return 2 * n ** 3 / _best_seconds(threads, lambda: torch.mm(a, b, out=out), runs) / 1e9
 
 
-def madd_rates(threads: int) -> Dict[str, Optional[float]]:
+INT8_INSTRUCTION = {"avx512vnni": "vpdpbusd"}  # else vpmaddubsw+vpaddw (avx2)
+
+
+def madd_rates(threads: int) -> Dict[str, Any]:
     """fp32 FMA and int8 multiply-add rates with the data in registers (GFLOP/s and GOP/s, 2 per
-    multiply-add), from libpnmix_core; None where it is not built or the CPU lacks AVX2."""
+    multiply-add) on the kernel each arithmetic runs on, from libpnmix_core; None where it is not
+    built or the CPU lacks AVX2."""
     from pnmix._native import NativeLibraryError
 
+    rates: Dict[str, Any] = {}
     try:
         from pnmix.backends.core_ops import CoreOps
 
         ops = CoreOps(threads)
-        return {"fp32_fma_gflops": 2 * ops.madd_rate("fp32", threads) / 1e9,
-                "int8_madd_gops": 2 * ops.madd_rate("int8", threads) / 1e9}
+        for kind, key in (("fp32", "fp32_fma"), ("int8", "int8_madd")):
+            ops.set_arith(kind)  # the probe runs the instructions of this arithmetic's kernel
+            rates[f"{key}_isa"] = ops.isa()
+            rates[f"{key}_{'gflops' if kind == 'fp32' else 'gops'}"] = 2 * ops.madd_rate(kind, threads) / 1e9
+        ops.set_arith("auto")
+        return rates
     except (NativeLibraryError, PnMixError):
-        return {"fp32_fma_gflops": None, "int8_madd_gops": None}
+        return {"fp32_fma_gflops": None, "int8_madd_gops": None, "fp32_fma_isa": None, "int8_madd_isa": None}
 
 
 def decode_flops(batch: int, q_heads: int, context: int, head_dim: int) -> int:
@@ -424,6 +439,7 @@ def run_decode_bench(context: int, batch: int = defaults.DECODE_BATCH, q_heads: 
     for r in results:
         if r["impl"] in ctx.get("arith", {}):
             r["arith"] = ctx["arith"][r["impl"]]
+            r["isa"] = ctx["isa"][r["impl"]]
         if r["impl"] == "core_int8" and int8_rate:
             r["int8_fraction"] = r["gflops"] / int8_rate
     _restore_arith(ctx)
@@ -530,13 +546,15 @@ def _notes(report: dict) -> List[str]:
     fma, int8 = machine.get("fp32_fma_gflops"), machine.get("int8_madd_gops")
     if fma and int8:
         flops = decode_flops(report["batch"], report["q_heads"], report["context"], report["head_dim"])
-        notes.append(f"register rates, same threads: fp32 FMA {fma:.1f} GFLOP/s, int8 vpmaddubsw+vpaddw {int8:.1f} GOP/s "
-                     f"({int8 / fma:.2f}x); the step's multiply-adds take {flops / fma / 1e6:.2f} ms at the first and "
-                     f"{flops / int8 / 1e6:.2f} ms at the second")
+        fma_isa, int8_isa = machine.get("fp32_fma_isa"), machine.get("int8_madd_isa")
+        instruction = INT8_INSTRUCTION.get(int8_isa or "", "vpmaddubsw+vpaddw")
+        notes.append(f"register rates, same threads: fp32 FMA ({fma_isa}) {fma:.1f} GFLOP/s, int8 {instruction} "
+                     f"({int8_isa}) {int8:.1f} GOP/s ({int8 / fma:.2f}x); the step's multiply-adds take "
+                     f"{flops / fma / 1e6:.2f} ms at the first and {flops / int8 / 1e6:.2f} ms at the second")
     for r in report["results"]:
         if "arith" in r and r["impl"] == "core_int8":
             share = f", {r['int8_fraction']:.0%} of the int8 rate" if "int8_fraction" in r else ""
-            notes.append(f"core_int8 ran: {r['arith']}{share}")
+            notes.append(f"core_int8 ran: {r['arith']} on the {r['isa']} kernel{share}")
     ratio = report["dense_fp16_bytes"] / report["packed_bytes"]
     notes.append(f"packed cache {report['packed_bytes'] / mb:.2f} MB vs fp16 {report['dense_fp16_bytes'] / mb:.2f} MB "
                  f"({ratio:.2f}x smaller); core kernel: {report['core_isa'] or '-'}; "

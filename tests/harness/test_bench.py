@@ -119,7 +119,11 @@ def test_core_agrees_with_reference(report):
     core = next(r for r in report["results"] if r["impl"] == "core")
     assert core["cache_bytes"] == core["bytes_read"] == report["packed_bytes"]
     assert core["max_abs_diff_vs_reference"] <= 1e-3
-    assert report["core_isa"] in ("scalar", "avx2", "avx512", "avx512vbmi")
+    assert report["core_isa"] in ("scalar", "avx2", "avx512", "avx512vbmi") and core["isa"] == report["core_isa"]
+    int8 = next((r for r in report["results"] if r["impl"] == "core_int8"), None)
+    if int8 is not None:  # the integer path's own kernel, and the register rate of its instructions
+        assert int8["isa"] in ("avx2", "avx512vnni")
+        assert report["machine"]["int8_madd_isa"] == int8["isa"] and report["machine"]["int8_madd_gops"] > 0
 
 
 def test_gpu_impls_are_skipped_with_a_reason_on_cpu():
