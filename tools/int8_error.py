@@ -1,6 +1,6 @@
 """The integer attention's error on a real model's K/V: every packed attention call of a decode.
 
-    python tools/int8_error.py [--model smollm2-135m] [--context 4096] [--steps 16] [--text FILE]
+    python tools/int8_error.py [--model smollm2-135m] [--context 4096] [--steps 16] [--text FILE] [--isa avx2]
 
 Prefills ``--context`` tokens of the text (Hamlet by default) in full precision, hands the K/V to a
 PnMixCache (the manifest's config) as ``pnmix eval`` does, and decodes ``--steps`` teacher-forced
@@ -8,7 +8,7 @@ tokens under the packed attention. Every call of libpnmix_core's attention runs 
 same inputs: the fp32 path, the int8 path and the PyTorch reference (pnmix.reference.attend); the
 decode itself continues with the fp32 output, so every method sees the same inputs. Prints the max
 |diff| of both paths against the reference over all calls (30 layers x steps), their medians, the
-largest |output|, and which arithmetic the int8 calls ran; ``--json`` writes them.
+largest |output|, and which arithmetic and kernel the int8 calls ran; ``--json`` writes them.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--text", default=None)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--isa", default="auto", help="the integer path's kernel: auto, avx2 or avx512vnni")
     args = parser.parse_args()
 
     from pnmix import reference
@@ -51,8 +52,9 @@ def main() -> None:
 
     def compared(self, q, layout, state, seq_len, k_new=None, v_new=None):
         want = reference.attend(q, layout, state, seq_len, k_new, v_new)
+        self.set_isa(args.isa)
         self.set_arith("int8")
-        ran.add(self.arith_for(layout))
+        ran.add(f"{self.arith_for(layout)} on {self.isa()}")
         got = original(self, q, layout, state, seq_len, k_new, v_new)
         self.set_arith("fp32")
         exact = original(self, q, layout, state, seq_len, k_new, v_new)
