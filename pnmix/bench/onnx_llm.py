@@ -6,7 +6,9 @@ For each context C (default 512, 2048, 4096): a prefill of C tokens (one call, t
 * pnmix: the file of `pnmix export --model MODEL` (exported here to a temporary folder unless
   --onnx names one), its packed state fed back each step, with each implementation of the
   pn-mix ops that --ops asks for: ``native`` (libpnmix_ort's kernels) and ``functions`` (the
-  file's standard-op bodies); auto: both where libpnmix_ort loads, else the bodies.
+  file's standard-op bodies); auto: both where libpnmix_ort loads, else the bodies, and then
+  ``native_int8`` too: the native ops with the core's integer arithmetic
+  (``PNMIX_ATTEND_ARITH=int8``), where the core has it.
 * the peer: the same model exported by onnxruntime-genai's model builder
   (``python -m onnxruntime_genai.models.builder``, fp32, CPU) with its standard fp32 KV cache,
   run with onnxruntime-genai's generator. The builder reads a Hugging Face folder: a GGUF model is
@@ -16,6 +18,7 @@ For each context C (default 512, 2048, 4096): a prefill of C tokens (one call, t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -65,20 +68,57 @@ def _rates(prompt_tokens: int, prefill_s: float, decode: Stopwatch) -> Dict[str,
     return {"prefill_tokens_per_s": prompt_tokens / prefill_s, "decode_tokens_per_s": timing.count / timing.total_s}
 
 
+# Rows that are an implementation of the ops run with another arithmetic of the core.
+ARITH_ROWS = {"native_int8": ("native", "int8")}
+
+
+def core_has_int8() -> bool:
+    from pnmix._native import NativeLibraryError
+    from pnmix.backends.core_ops import CoreOps
+
+    try:
+        ops = CoreOps()
+        ops.set_arith("int8")
+        ops.set_arith("auto")
+        return True
+    except (NativeLibraryError, PnMixError):
+        return False
+
+
 def bench_ops(ops: Optional[str]) -> List[str]:
     """The implementations of the ops to time: auto is every one this machine has."""
     from pnmix.backends.onnxruntime.session import resolve_ops
 
     chosen = resolve_ops(ops)
-    return ["native", "functions"] if (ops or "auto") == "auto" and chosen == "native" else [chosen]
+    if (ops or "auto") != "auto" or chosen != "native":
+        return [chosen]
+    return ["native", "native_int8", "functions"] if core_has_int8() else ["native", "functions"]
 
 
-def time_pnmix(path: Path, ids: List[int], repeats: int, threads: Optional[int], ops: str) -> Dict[str, Any]:
-    session = LlmSession(path, threads, ops=ops)
-    logits, prefill = time_once(session.step, ids)
-    decode = Stopwatch()
-    for _ in range(repeats):
-        logits = decode.time(session.step, [int(np.argmax(logits))])
+@contextlib.contextmanager
+def core_arith(arith: Optional[str]):
+    """PNMIX_ATTEND_ARITH for the block (libpnmix_core reads it at every attention call, so it
+    reaches the ONNX Runtime ops), then as it was."""
+    before = os.environ.get("PNMIX_ATTEND_ARITH")
+    if arith:
+        os.environ["PNMIX_ATTEND_ARITH"] = arith
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PNMIX_ATTEND_ARITH", None)
+        else:
+            os.environ["PNMIX_ATTEND_ARITH"] = before
+
+
+def time_pnmix(path: Path, ids: List[int], repeats: int, threads: Optional[int], name: str) -> Dict[str, Any]:
+    ops, arith = ARITH_ROWS.get(name, (name, None))
+    with core_arith(arith):
+        session = LlmSession(path, threads, ops=ops)
+        logits, prefill = time_once(session.step, ids)
+        decode = Stopwatch()
+        for _ in range(repeats):
+            logits = decode.time(session.step, [int(np.argmax(logits))])
     return {**_rates(len(ids), prefill, decode),
             "kv_bytes": session.cache_bytes()["persistent_cache_bytes"],
             "kv_bytes_allocated": session.cache_bytes()["allocated_bytes"]}

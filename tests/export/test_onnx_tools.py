@@ -1,6 +1,7 @@
 """`pnmix bench onnx` and the TensorRT-EP helper (whose TensorRT part runs only where TensorRT is)."""
 
 import json
+import os
 
 import numpy as np
 import onnx
@@ -26,6 +27,33 @@ def test_bench_reports_times_size_and_identical_bytes(tmp_path):
     assert report["export_seconds"] > 0 and report["file_bytes"] > 100_000
     assert report["onnxruntime_ms_per_decode_step"] > 0 and report["torch_reference_ms_per_decode_step"] > 0
     assert report["packed_bytes_identical_after_step"] is True
+
+
+def test_llm_bench_times_the_native_ops_with_each_arithmetic(tiny, monkeypatch):
+    """auto: the native ops, the native ops on the core's integer arithmetic (where the core has
+    it) and the function bodies; the int8 row sets PNMIX_ATTEND_ARITH for its session only."""
+    from pnmix.backends.onnxruntime.session import resolve_ops
+    from pnmix.bench import onnx_llm
+
+    monkeypatch.setenv("PNMIX_ATTEND_ARITH", "fp32")
+    rows = onnx_llm.bench_ops("auto")
+    if resolve_ops("auto") != "native":
+        pytest.skip("libpnmix_ort does not load here")
+    assert rows == (["native", "native_int8", "functions"] if onnx_llm.core_has_int8() else ["native", "functions"])
+    assert onnx_llm.bench_ops("functions") == ["functions"]
+    seen = []
+    real = onnx_llm.LlmSession
+
+    def spy(path, threads, ops):
+        seen.append((ops, os.environ.get("PNMIX_ATTEND_ARITH")))
+        return real(path, threads, ops=ops)
+
+    monkeypatch.setattr(onnx_llm, "LlmSession", spy)
+    for name in ("native", "native_int8"):
+        timing = onnx_llm.time_pnmix(tiny["onnx"], list(range(3, 43)), 2, None, name)
+        assert timing["decode_tokens_per_s"] > 0 and timing["kv_bytes"] > 0
+    assert seen == [("native", "fp32"), ("native", "int8")]
+    assert os.environ["PNMIX_ATTEND_ARITH"] == "fp32"
 
 
 def test_bench_refuses_a_context_beyond_capacity(model_file):
