@@ -289,14 +289,90 @@ int pnmix_madd_rate(const char* kind, int threads, int64_t iterations, double* m
   return ok();
 }
 
-static int attend_impl(const pnmix_layout* layout, const pnmix_state* state, int64_t seq_len, const void* q,
-                       int q_is_fp32, int64_t q_heads, int64_t nq, int64_t q_bytes, const uint16_t* k_new,
-                       const uint16_t* v_new, int64_t n_new, int64_t new_bytes, float* out, int64_t out_bytes,
-                       int threads, pnmix_parallel_for runner, void* runner_ctx) {
+namespace {
+
+// A paged state for layout L at seq_len, checked: a one-line error, or PNMIX_OK with pages[g] the
+// page of group g (its KV head 0 part) for every group the sequence has.
+int check_paged(const pnmix_layout& L, const pnmix_paged_state* p, int64_t seq_len,
+                std::vector<const uint8_t*>& pages) {
+  if (!p) return fail(PNMIX_ERR_NULL, "paged state pointer is null");
+  if (L.batch != 1)
+    return fail(PNMIX_ERR_CONFIG, "a paged attention is of one sequence: layout batch must be 1, got %lld",
+                (long long)L.batch);
+  const int64_t gs = L.config.group_size, H = L.kv_heads;
+  if (p->block_size != gs)
+    return fail(PNMIX_ERR_CONFIG, "paged state block_size %lld must equal group_size %lld (a full block is one group)",
+                (long long)p->block_size, (long long)gs);
+  const int64_t group = group_sections(L).total;
+  if (p->head_bytes < group || p->head_bytes > ((int64_t)1 << 40) || (p->head_bytes & 1))
+    return fail(PNMIX_ERR_SIZE, "paged state head_bytes %lld must be even and at least a group's %lld bytes",
+                (long long)p->head_bytes, (long long)group);
+  if (p->page_bytes < H * p->head_bytes || p->page_bytes > ((int64_t)1 << 50) || (p->page_bytes & 1))
+    return fail(PNMIX_ERR_SIZE, "paged state page_bytes %lld must be even and at least kv_heads * head_bytes = %lld",
+                (long long)p->page_bytes, (long long)(H * p->head_bytes));
+  if (p->num_blocks < 0 || product({p->num_blocks, p->page_bytes}) < 0)
+    return fail(PNMIX_ERR_SIZE, "paged state num_blocks %lld is negative or its pages overflow", (long long)p->num_blocks);
+  if (p->block_id_bytes != 4 && p->block_id_bytes != 8)
+    return fail(PNMIX_ERR_CONFIG, "paged state block_id_bytes must be 4 (int32) or 8 (int64), got %lld",
+                (long long)p->block_id_bytes);
+  const struct {
+    const char* name;
+    const void* data;
+    int64_t nbytes;
+    int index;
+  } slot[] = {{"sink_k", p->sink_k, p->sink_bytes, PNMIX_SINK_K},
+              {"sink_v", p->sink_v, p->sink_bytes, PNMIX_SINK_V},
+              {"residual_k", p->residual_k, p->residual_bytes, PNMIX_RESIDUAL_K},
+              {"residual_v", p->residual_v, p->residual_bytes, PNMIX_RESIDUAL_V},
+              {"pair_mask", p->pair_mask, p->mask_bytes, PNMIX_PAIR_MASK}};
+  for (const auto& t : slot) {
+    const int64_t want = state_bytes(L, t.index);
+    if (t.nbytes != want)
+      return fail(PNMIX_ERR_SIZE, "paged state's '%s' has %lld bytes, the layout needs %lld", t.name,
+                  (long long)t.nbytes, (long long)want);
+    if (want && !t.data) return fail(PNMIX_ERR_NULL, "paged state's '%s' pointer is null", t.name);
+    if (state_elem_bytes(t.index) == 2 && ((uintptr_t)t.data & 1))
+      return fail(PNMIX_ERR_SIZE, "paged state's '%s' is not 2-byte aligned", t.name);
+  }
+  const int64_t need = (seq_len + gs - 1) / gs;
+  if (p->table_blocks < need || p->table_blocks > ((int64_t)1 << 40))
+    return fail(PNMIX_ERR_SIZE, "the block table has %lld blocks, %lld tokens need %lld", (long long)p->table_blocks,
+                (long long)seq_len, (long long)need);
+  const int64_t groups = lengths(L.config, seq_len).groups;
+  pages.resize(groups);
+  if (!groups) return PNMIX_OK;
+  if (!p->pages || !p->block_table) return fail(PNMIX_ERR_NULL, "paged state's pages or block_table pointer is null");
+  if (((uintptr_t)p->pages & 1) || ((uintptr_t)p->block_table & (p->block_id_bytes - 1)))
+    return fail(PNMIX_ERR_SIZE, "paged state's pages (2 bytes) or block_table (its ids) is not aligned");
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t at = page_block_of_group(L.config, g);
+    const int64_t id = p->block_id_bytes == 4 ? (int64_t) static_cast<const int32_t*>(p->block_table)[at]
+                                              : static_cast<const int64_t*>(p->block_table)[at];
+    if (id < 0 || id >= p->num_blocks)
+      return fail(PNMIX_ERR_SIZE, "block table entry %lld (group %lld) is block %lld, outside 0..%lld", (long long)at,
+                  (long long)g, (long long)id, (long long)p->num_blocks - 1);
+    pages[g] = p->pages + id * p->page_bytes;
+  }
+  return PNMIX_OK;
+}
+
+}  // namespace
+
+// Exactly one of state (contiguous) and paged is given.
+static int attend_impl(const pnmix_layout* layout, const pnmix_state* state, const pnmix_paged_state* paged,
+                       int64_t seq_len, const void* q, int q_is_fp32, int64_t q_heads, int64_t nq, int64_t q_bytes,
+                       const uint16_t* k_new, const uint16_t* v_new, int64_t n_new, int64_t new_bytes, float* out,
+                       int64_t out_bytes, int threads, pnmix_parallel_for runner, void* runner_ctx) {
   if (int rc = check_layout(layout)) return rc;
   const pnmix_layout& L = *layout;
-  if (int rc = check_state(L, state)) return rc;
-  if (int rc = check_seq_len(L, seq_len)) return rc;
+  thread_local std::vector<const uint8_t*> group_pages;
+  if (paged) {
+    if (int rc = check_seq_len(L, seq_len)) return rc;
+    if (int rc = check_paged(L, paged, seq_len, group_pages)) return rc;
+  } else {
+    if (int rc = check_state(L, state)) return rc;
+    if (int rc = check_seq_len(L, seq_len)) return rc;
+  }
   if (requested_arith() == Arith::kInvalid)
     return fail(PNMIX_ERR_CONFIG, "PNMIX_ATTEND_ARITH is '%s'; set it to fp32 or int8 (or unset it)",
                 getenv("PNMIX_ATTEND_ARITH"));
@@ -328,7 +404,8 @@ static int attend_impl(const pnmix_layout* layout, const pnmix_state* state, int
   if (((uintptr_t)q & (q_is_fp32 ? 3 : 1)) || ((uintptr_t)out & 3) || (((uintptr_t)k_new | (uintptr_t)v_new) & 1))
     return fail(PNMIX_ERR_SIZE, "q, out or new K/V buffer is not aligned to its element size");
   if (seq_len > 0)
-    if (int rc = check_pair_mask(L, buffer<const uint8_t>(state, PNMIX_PAIR_MASK), PNMIX_ERR_STATE, "state's"))
+    if (int rc = check_pair_mask(L, paged ? paged->pair_mask : buffer<const uint8_t>(state, PNMIX_PAIR_MASK),
+                                 PNMIX_ERR_STATE, "state's"))
       return rc;
 
   thread_local std::vector<float> q32, partial;
@@ -358,7 +435,19 @@ static int attend_impl(const pnmix_layout* layout, const pnmix_state* state, int
   if (splits > job.n.groups) splits = job.n.groups;
   job.splits = splits < 1 ? 1 : splits;
   job.q = q32.data();
-  job.state = state_view<false>(state->data);
+  if (paged) {
+    job.state = StateView<false>{};
+    job.state.sink_k = paged->sink_k;
+    job.state.sink_v = paged->sink_v;
+    job.state.residual_k = paged->residual_k;
+    job.state.residual_v = paged->residual_v;
+    job.state.pair_mask = paged->pair_mask;
+    job.group_pages = group_pages.data();
+    job.head_bytes = paged->head_bytes;
+    job.sections = group_sections(L);
+  } else {
+    job.state = state_view<false>(state->data);
+  }
   job.k_new = k_new;
   job.v_new = v_new;
   const int64_t items = heads * job.splits;
@@ -393,8 +482,21 @@ int pnmix_attend_on(const pnmix_layout* layout, const pnmix_state* state, int64_
                     const uint16_t* v_new, int64_t n_new, int64_t new_bytes, float* out, int64_t out_bytes,
                     int threads, pnmix_parallel_for runner, void* runner_ctx) {
   try {
-    return attend_impl(layout, state, seq_len, q, q_is_fp32, q_heads, nq, q_bytes, k_new, v_new, n_new,
+    return attend_impl(layout, state, nullptr, seq_len, q, q_is_fp32, q_heads, nq, q_bytes, k_new, v_new, n_new,
                        new_bytes, out, out_bytes, threads, runner, runner_ctx);
+  } catch (const std::exception& e) {
+    return fail(PNMIX_ERR_INTERNAL, "attention failed: %s", e.what());
+  }
+}
+
+int pnmix_attend_paged(const pnmix_layout* layout, const pnmix_paged_state* paged, int64_t seq_len, const void* q,
+                       int q_is_fp32, int64_t q_heads, int64_t nq, int64_t q_bytes, const uint16_t* k_new,
+                       const uint16_t* v_new, int64_t n_new, int64_t new_bytes, float* out, int64_t out_bytes,
+                       int threads) {
+  try {
+    if (!paged) return fail(PNMIX_ERR_NULL, "paged state pointer is null");
+    return attend_impl(layout, nullptr, paged, seq_len, q, q_is_fp32, q_heads, nq, q_bytes, k_new, v_new, n_new,
+                       new_bytes, out, out_bytes, threads, nullptr, nullptr);
   } catch (const std::exception& e) {
     return fail(PNMIX_ERR_INTERNAL, "attention failed: %s", e.what());
   }

@@ -56,6 +56,24 @@ int64_t pnmix_core_struct_offset(const char* type, const char* field) {
     if (whole) return (int64_t)sizeof(pnmix_state);
     PNMIX_FIELD(pnmix_state, data)
     PNMIX_FIELD(pnmix_state, nbytes)
+  } else if (!strcmp(type, "pnmix_paged_state")) {
+    if (whole) return (int64_t)sizeof(pnmix_paged_state);
+    PNMIX_FIELD(pnmix_paged_state, pages)
+    PNMIX_FIELD(pnmix_paged_state, num_blocks)
+    PNMIX_FIELD(pnmix_paged_state, page_bytes)
+    PNMIX_FIELD(pnmix_paged_state, head_bytes)
+    PNMIX_FIELD(pnmix_paged_state, block_size)
+    PNMIX_FIELD(pnmix_paged_state, block_table)
+    PNMIX_FIELD(pnmix_paged_state, table_blocks)
+    PNMIX_FIELD(pnmix_paged_state, block_id_bytes)
+    PNMIX_FIELD(pnmix_paged_state, sink_k)
+    PNMIX_FIELD(pnmix_paged_state, sink_v)
+    PNMIX_FIELD(pnmix_paged_state, residual_k)
+    PNMIX_FIELD(pnmix_paged_state, residual_v)
+    PNMIX_FIELD(pnmix_paged_state, pair_mask)
+    PNMIX_FIELD(pnmix_paged_state, sink_bytes)
+    PNMIX_FIELD(pnmix_paged_state, residual_bytes)
+    PNMIX_FIELD(pnmix_paged_state, mask_bytes)
   }
 #undef PNMIX_FIELD
   return -1;
@@ -67,6 +85,17 @@ int pnmix_state_bytes(const pnmix_layout* layout, int64_t nbytes[PNMIX_NUM_STATE
   if (int rc = check_layout(layout)) return rc;
   if (!nbytes) return fail(PNMIX_ERR_NULL, "nbytes pointer is null");
   for (int i = 0; i < PNMIX_NUM_STATE; ++i) nbytes[i] = state_bytes(*layout, i);
+  return ok();
+}
+
+int pnmix_group_sections(const pnmix_layout* layout, int64_t first_byte[6], int64_t nbytes[6]) {
+  if (int rc = check_layout(layout)) return rc;
+  if (!first_byte || !nbytes) return fail(PNMIX_ERR_NULL, "first_byte or nbytes pointer is null");
+  const GroupSections s = group_sections(*layout);
+  for (int j = 0; j < kGroupTensors; ++j) {
+    first_byte[j] = s.first_byte[j];
+    nbytes[j] = s.bytes[j];
+  }
   return ok();
 }
 

@@ -15,12 +15,13 @@ import torch
 
 from ..cache import CacheOps, check_new_kv, check_queries
 from ..errors import PnMixError
-from ..format import CacheLayout
+from ..format import STATE_DTYPES, STATE_NAMES, CacheLayout
 from . import native
-from .native import INT as _INT, I64 as _I64, PTR as _PTR, CConfig, CLayout, CState, c_layout, nbytes as _nbytes, ptr as _ptr
+from .native import (INT as _INT, I64 as _I64, PTR as _PTR, CConfig, CLayout, CPagedState, CState, c_layout,
+                     nbytes as _nbytes, ptr as _ptr)
 
 LIBRARY = "pnmix_core"
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 _SIGNATURES: native.Signatures = {
     "pnmix_core_abi_version": ([], _INT),
@@ -30,6 +31,9 @@ _SIGNATURES: native.Signatures = {
     "pnmix_persistent_bytes": ([_PTR, _I64, _PTR], _INT),
     "pnmix_append": ([_PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64], _INT),
     "pnmix_attend": ([_PTR, _PTR, _I64, _PTR, _INT, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _INT], _INT),
+    "pnmix_attend_paged": ([_PTR, _PTR, _I64, _PTR, _INT, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _INT],
+                           _INT),
+    "pnmix_group_sections": ([_PTR, _PTR, _PTR], _INT),
     "pnmix_attend_isa": ([], ctypes.c_char_p),
     "pnmix_set_attend_isa": ([ctypes.c_char_p], _INT),
     "pnmix_attend_arith": ([], ctypes.c_char_p),
@@ -43,8 +47,11 @@ _SIGNATURES: native.Signatures = {
     "pnmix_dump_header": ([_PTR, _I64, _PTR, _PTR], _INT),
     "pnmix_dump_read": ([_PTR, _I64, _PTR, _PTR, _PTR], _INT),
 }
-__all__ = ["CConfig", "CLayout", "CState", "CoreOps", "c_layout", "c_state", "check", "core_library",
-           "dump_state", "load_state"]
+__all__ = ["CConfig", "CLayout", "CPagedState", "CState", "CoreOps", "c_layout", "c_state", "check", "core_library",
+           "dump_state", "group_sections", "load_state"]
+
+# The tensors of a paged sequence's slot (pnmix_paged_state): everything but the group tensors.
+SLOT_TENSORS = ("sink_k", "sink_v", "residual_k", "residual_v", "pair_mask")
 
 
 def core_library() -> ctypes.CDLL:
@@ -112,6 +119,56 @@ class CoreOps(CacheOps):
             _ptr(k_new), _ptr(v_new), n_new, _nbytes(k_new), _ptr(out), _nbytes(out), self.threads))
         return out
 
+    def attend_paged(self, q: torch.Tensor, layout: CacheLayout, pages: torch.Tensor, block_table: torch.Tensor,
+                     block_size: int, slot: Dict[str, torch.Tensor], seq_len: int,
+                     k_new: Optional[torch.Tensor] = None, v_new: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """attend for one sequence (layout batch 1) whose groups are in an engine's pages, read in
+        place (pnmix_attend_paged): pages uint8 [num_blocks, H, head_bytes] (the last dimension
+        dense; the block and head strides are passed), block_table the sequence's block ids (int32
+        or int64, 1-D), slot the sequence's sink_k, sink_v, residual_k, residual_v and pair_mask as
+        batch-1 state tensors. Equals attend over the gathered state, bit for bit."""
+        check_queries(layout, seq_len, q, k_new, v_new)
+        for name, t in (("q", q), ("pages", pages), ("block_table", block_table)):
+            if t.device.type != "cpu":
+                raise PnMixError(f"the core backend needs CPU tensors; {name} is on {t.device}")
+        if pages.dtype != torch.uint8 or pages.dim() != 3 or pages.shape[1] != layout.kv_heads or pages.stride(2) != 1:
+            raise PnMixError(f"pages must be uint8 [num_blocks, kv_heads={layout.kv_heads}, head_bytes] with dense "
+                             f"rows, got {pages.dtype} {list(pages.shape)} strides {list(pages.stride())}")
+        if block_table.dtype not in (torch.int32, torch.int64) or block_table.dim() != 1 or (
+                block_table.numel() > 1 and block_table.stride(0) != 1):
+            raise PnMixError(f"block_table must be a dense 1-D int32 or int64 tensor, got {block_table.dtype} "
+                             f"{list(block_table.shape)}")
+        c = CPagedState(pages=_ptr(pages), num_blocks=pages.shape[0], page_bytes=pages.stride(0),
+                        head_bytes=pages.stride(1), block_size=block_size, block_table=_ptr(block_table),
+                        table_blocks=block_table.numel(), block_id_bytes=block_table.element_size())
+        for name in SLOT_TENSORS:
+            part = slot.get(name)
+            if part is None:
+                raise PnMixError(f"the paged slot is missing tensor '{name}'")
+            if part.device.type != "cpu" or part.dtype != STATE_DTYPES[name] or not part.is_contiguous():
+                raise PnMixError(f"slot tensor '{name}' must be a contiguous CPU {STATE_DTYPES[name]} tensor, "
+                                 f"got {part.dtype} on {part.device}")
+            setattr(c, name, _ptr(part))
+        c.sink_bytes, c.residual_bytes = _nbytes(slot["sink_k"]), _nbytes(slot["residual_k"])
+        c.mask_bytes = _nbytes(slot["pair_mask"])
+        for k_name, v_name in (("sink_k", "sink_v"), ("residual_k", "residual_v")):
+            if _nbytes(slot[k_name]) != _nbytes(slot[v_name]):
+                raise PnMixError(f"slot tensors '{k_name}' and '{v_name}' differ in size")
+        is_fp32 = q.dtype != torch.float16
+        q = (q.float() if is_fp32 else q).contiguous()
+        _, q_heads, nq, _ = q.shape
+        if k_new is not None and v_new is not None and k_new.shape[2]:  # both or neither (check_queries)
+            k_new, v_new = _fp16(k_new, "k_new"), _fp16(v_new, "v_new")
+        else:
+            k_new = v_new = None
+        n_new = 0 if k_new is None else k_new.shape[2]
+        out = torch.empty(1, q_heads, nq, layout.head_dim, dtype=torch.float32)
+        lay = c_layout(layout)
+        check(self.lib, self.lib.pnmix_attend_paged(
+            ctypes.byref(lay), ctypes.byref(c), seq_len, _ptr(q), int(is_fp32), q_heads, nq, _nbytes(q),
+            _ptr(k_new), _ptr(v_new), n_new, _nbytes(k_new), _ptr(out), _nbytes(out), self.threads))
+        return out
+
     # ---- extras: the kernel in use, and the .pnkv dump through the C decoder ----------------
     def isa(self) -> str:
         return self.lib.pnmix_attend_isa().decode()
@@ -143,6 +200,17 @@ class CoreOps(CacheOps):
             check(self.lib, self.lib.pnmix_madd_rate(kind.encode(), threads, iterations, ctypes.byref(done)))
             best = max(best, done.value / (time.perf_counter() - start))
         return best
+
+
+def group_sections(layout: CacheLayout) -> Dict[str, Tuple[int, int]]:
+    """(first byte, byte count) of each group tensor in one KV head's part of a page, as the C core
+    lays a page out (pnmix_group_sections; pnmix.vllm.paged.PageLayout.section_offsets must agree)."""
+    lib = core_library()
+    first, size = (ctypes.c_int64 * 6)(), (ctypes.c_int64 * 6)()
+    lay = c_layout(layout)
+    check(lib, lib.pnmix_group_sections(ctypes.byref(lay), first, size))
+    names = STATE_NAMES[STATE_NAMES.index("key_codes"):STATE_NAMES.index("value_offset") + 1]
+    return {name: (first[i], size[i]) for i, name in enumerate(names)}
 
 
 def dump_state(layout: CacheLayout, state: Dict[str, torch.Tensor], seq_len: int) -> bytes:

@@ -40,6 +40,15 @@ class CState(ctypes.Structure):
     _fields_ = [("data", ctypes.c_void_p * len(STATE_NAMES)), ("nbytes", ctypes.c_int64 * len(STATE_NAMES))]
 
 
+class CPagedState(ctypes.Structure):
+    """pnmix_paged_state (pnmix_core.h): a sequence whose groups are in an engine's pages."""
+
+    _fields_ = [("pages", PTR), ("num_blocks", I64), ("page_bytes", I64), ("head_bytes", I64),
+                ("block_size", I64), ("block_table", PTR), ("table_blocks", I64), ("block_id_bytes", I64),
+                ("sink_k", PTR), ("sink_v", PTR), ("residual_k", PTR), ("residual_v", PTR), ("pair_mask", PTR),
+                ("sink_bytes", I64), ("residual_bytes", I64), ("mask_bytes", I64)]
+
+
 Signatures = Mapping[str, Tuple[Sequence, object]]
 
 

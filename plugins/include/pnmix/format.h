@@ -178,6 +178,39 @@ PNMIX_HD inline int64_t persistent_bytes(const pnmix_layout& L, int64_t seq_len)
   return total;
 }
 
+// ---- one group's tensors side by side: a paged cache's page (docs/VLLM.md section 2) ----------
+
+// The six per-group tensors of section 3 (key_codes, key_step, key_offset, value_codes,
+// value_step, value_offset: state indices PNMIX_KEY_CODES .. PNMIX_VALUE_OFFSET) of one
+// (sequence, KV head, group), one after another: where each starts and how many bytes it has.
+// A page of a paged cache holds them so for each KV head (pnmix/vllm/paged.py's PageLayout;
+// tests/vllm/test_paged.py checks its offsets against these, pnmix_group_sections).
+constexpr int kGroupTensors = PNMIX_VALUE_OFFSET - PNMIX_KEY_CODES + 1;
+struct GroupSections {
+  int64_t first_byte[kGroupTensors];
+  int64_t bytes[kGroupTensors];
+  int64_t total;  // one group and head: KB + 4D + gs*(VB + 4*NVB)
+};
+
+PNMIX_HD inline GroupSections group_sections(const pnmix_layout& L) {
+  GroupSections s;
+  int64_t at = 0;
+  for (int j = 0; j < kGroupTensors; ++j) {
+    const int i = PNMIX_KEY_CODES + j;
+    s.first_byte[j] = at;
+    s.bytes[j] = capacity_shape(L, i).row_elems * state_elem_bytes(i);
+    at += s.bytes[j];
+  }
+  s.total = at;
+  return s;
+}
+
+// The block (index into a sequence's block table, blocks of group_size tokens) whose page holds
+// group g: the block of the group's last token, S + (g + 1) * gs - 1.
+PNMIX_HD inline int64_t page_block_of_group(const pnmix_config& c, int64_t g) {
+  return ((int64_t)c.sink_tokens + (g + 1) * (int64_t)c.group_size - 1) / c.group_size;
+}
+
 // ---- config checks (docs/FORMAT.md 1.1; messages name the field like pnmix/config.py) -------
 
 // v > limit for any integer v (a function, so a bound equal to the type's own limit is no

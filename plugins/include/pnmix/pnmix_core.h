@@ -19,7 +19,8 @@
 extern "C" {
 #endif
 
-#define PNMIX_CORE_ABI_VERSION 5 /* 3: pnmix_core_struct_offset; 4: pnmix_attend_on; 5: pnmix_set_attend_arith */
+#define PNMIX_CORE_ABI_VERSION 6 /* 3: pnmix_core_struct_offset; 4: pnmix_attend_on; 5: pnmix_set_attend_arith; \
+                                    6: pnmix_paged_state, pnmix_attend_paged, pnmix_group_sections */
 
 #if defined(_WIN32)
 #define PNMIX_API
@@ -53,7 +54,7 @@ PNMIX_API const char* pnmix_last_error(void);
 PNMIX_API int64_t pnmix_core_limit(const char* name);
 
 /* The compiled layout of the ABI's structs: offsetof(type, field) for a field of "pnmix_config",
- * "pnmix_layout" or "pnmix_state", sizeof(type) when field is null or ""; -1 for an unknown name.
+ * "pnmix_layout", "pnmix_state" or "pnmix_paged_state", sizeof(type) when field is null or ""; -1 for an unknown name.
  * Lets a binding (pnmix/backends/native.py) check its mirror against what the compiler made. */
 PNMIX_API int64_t pnmix_core_struct_offset(const char* type, const char* field);
 
@@ -78,6 +79,41 @@ PNMIX_API int pnmix_attend(const pnmix_layout* layout, const pnmix_state* state,
                  int q_is_fp32, int64_t q_heads, int64_t nq, int64_t q_bytes, const uint16_t* k_new,
                  const uint16_t* v_new, int64_t n_new, int64_t new_bytes, float* out, int64_t out_bytes,
                  int threads);
+
+/* A paged cache (docs/VLLM.md section 2): an engine's memory in blocks of block_size == group_size
+ * tokens. The page of a block holds, for each KV head, the six group tensors of one group
+ * (pnmix_group_sections: key_codes, key_step, key_offset, value_codes, value_step, value_offset, one
+ * after another); group g of a sequence is in the page of block_table[(S + (g + 1) * gs - 1) / gs],
+ * the block of its last token. The fp16 sink and residual and the pair mask are the sequence's slot,
+ * shaped as pnmix_state's tensors of batch 1. Nothing is copied: the kernel reads the pages in place. */
+typedef struct pnmix_paged_state {
+  const uint8_t* pages;    /* the layer's pages: num_blocks of them, page_bytes apart */
+  int64_t num_blocks;      /* block ids are 0..num_blocks-1 */
+  int64_t page_bytes;      /* from one block's page to the next (the block stride; even) */
+  int64_t head_bytes;      /* from one KV head's part of a page to the next (even; >= a group's bytes) */
+  int64_t block_size;      /* tokens per block: must equal group_size */
+  const void* block_table; /* the sequence's block ids, in token order */
+  int64_t table_blocks;    /* its entries: at least ceil(seq_len / block_size) (only groups' are read) */
+  int64_t block_id_bytes;  /* 4 (int32 ids) or 8 (int64 ids) */
+  const uint16_t* sink_k;  /* fp16 [H, S, D], sink_bytes bytes each */
+  const uint16_t* sink_v;
+  const uint16_t* residual_k; /* fp16 [H, R, D], residual_bytes bytes each */
+  const uint16_t* residual_v;
+  const uint8_t* pair_mask;   /* [MB], mask_bytes bytes */
+  int64_t sink_bytes, residual_bytes, mask_bytes;
+} pnmix_paged_state;
+
+/* Where each group tensor sits in one KV head's part of a page: first_byte[6] and nbytes[6] in the
+ * order above (state indices PNMIX_KEY_CODES .. PNMIX_VALUE_OFFSET); their sum is a group's bytes. */
+PNMIX_API int pnmix_group_sections(const pnmix_layout* layout, int64_t first_byte[6], int64_t nbytes[6]);
+
+/* pnmix_attend of one sequence (layout batch 1, max_seq_len >= seq_len) whose groups are in pages:
+ * the same kernel, work split and results, bit for bit, as pnmix_attend over a contiguous state
+ * holding the same bytes. Every block id a group reads is checked against num_blocks. */
+PNMIX_API int pnmix_attend_paged(const pnmix_layout* layout, const pnmix_paged_state* paged, int64_t seq_len,
+                       const void* q, int q_is_fp32, int64_t q_heads, int64_t nq, int64_t q_bytes,
+                       const uint16_t* k_new, const uint16_t* v_new, int64_t n_new, int64_t new_bytes, float* out,
+                       int64_t out_bytes, int threads);
 
 /* A caller's parallel-for, for pnmix_attend_on: run task(task_ctx, i) exactly once for every i in
  * [0, items), on any threads, concurrently or not, and return 0 when all have run (non-zero: it
