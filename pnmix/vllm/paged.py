@@ -68,7 +68,8 @@ class PageLayout:
         return {name: shapes[name][3:] for name in GROUP_TENSORS}
 
     def section_offsets(self) -> Dict[str, Tuple[int, int]]:
-        """(first byte, byte count) of each group tensor inside one head's part of a page."""
+        """(first byte, byte count) of each group tensor inside one head's part of a page: the C core's
+        layout of a page (pnmix_group_sections, what pnmix_attend_paged reads; test_paged checks they agree)."""
         out, at = {}, 0
         for name, shape in self.section_shapes().items():
             size = math.prod(shape) * STATE_DTYPES[name].itemsize
@@ -222,18 +223,28 @@ class PagedLayerCache:
                 self.pages.write_group(kv_pages[block, head], {name: t[j, head] for name, t in parts.items()})
 
     # ---- attention -----------------------------------------------------------------------------
+    def layout_at(self, seq_len: int) -> CacheLayout:
+        """The batch-1 layout of a sequence of ``seq_len`` tokens (the attention's)."""
+        pages = self.pages
+        return CacheLayout(pages.config, 1, pages.kv_heads, pages.head_dim, max(seq_len, 1))
+
+    def slot_state(self, slot: int) -> Dict[str, torch.Tensor]:
+        """The slot's sink, residual and pair mask as batch-1 state tensors (views, no copy)."""
+        return dict(sink_k=self.sink_k[slot:slot + 1], sink_v=self.sink_v[slot:slot + 1],
+                    residual_k=self.residual_k[slot:slot + 1], residual_v=self.residual_v[slot:slot + 1],
+                    pair_mask=self.pair_mask[slot:slot + 1])
+
     def state(self, kv_pages: torch.Tensor, block_table: torch.Tensor, slot: int, seq_len: int):
         """The batch-1 pn-mix state of a sequence (its slot's sink, residual and mask; its group pages
-        gathered), with the layout it has at ``seq_len`` tokens."""
+        gathered: a copy), with the layout it has at ``seq_len`` tokens. The reference path's input;
+        the core reads the pages in place instead (attend)."""
         pages = self.pages
-        lay = CacheLayout(pages.config, 1, pages.kv_heads, pages.head_dim, max(seq_len, 1))
+        lay = self.layout_at(seq_len)
         groups = lay.lengths(seq_len).groups
         blocks = [int(block_table[pages.block_of_group(g)]) for g in range(groups)]
         index = torch.tensor(blocks, dtype=torch.long, device=kv_pages.device)
         state = pages.read_groups(kv_pages.index_select(0, index))
-        state.update(sink_k=self.sink_k[slot:slot + 1], sink_v=self.sink_v[slot:slot + 1],
-                     residual_k=self.residual_k[slot:slot + 1], residual_v=self.residual_v[slot:slot + 1],
-                     pair_mask=self.pair_mask[slot:slot + 1])
+        state.update(self.slot_state(slot))
         return lay, state
 
     def attend(self, kv_pages, block_table, slot: int, seq_len: int, q: torch.Tensor, k: torch.Tensor,
@@ -241,17 +252,24 @@ class PagedLayerCache:
         """Attention of q [nq, Hq, D] (the last nq positions) over the sequence's cache as stored, then
         the new k/v [H, n, D] in fp16 (the op semantics, docs/METHOD.md section 2.4) -> fp32 [nq, Hq, D].
         ``scale`` is the model's; the kernels use 1/sqrt(D), so q is scaled by their ratio. Queries go
-        to the kernels in fp16, as PnMixCache's packed path (pnmix/hf/attention.py) hands them."""
-        lay, state = self.state(kv_pages, block_table, slot, seq_len)
+        to the kernels in fp16, as PnMixCache's packed path (pnmix/hf/attention.py) hands them.
+        With the C core as ops the kernel reads the group pages in place through the block table
+        (CoreOps.attend_paged: nothing of the cache is copied); other ops get the gathered state."""
         ratio = scale * math.sqrt(self.pages.head_dim)
         if not math.isclose(ratio, 1.0, rel_tol=1e-6):
             q = q * ratio
         q4 = q.to(torch.float16).transpose(0, 1).unsqueeze(0).contiguous()  # [1, Hq, nq, D]
         k16, v16 = k.to(torch.float16).unsqueeze(0), v.to(torch.float16).unsqueeze(0)
-        if self.ops is None:
-            out = reference.attend(q4, lay, state, seq_len, k16, v16)
+        attend_paged = getattr(self.ops, "attend_paged", None)
+        if attend_paged is not None:  # the core: the pages read in place through the block table
+            out = attend_paged(q4, self.layout_at(seq_len), kv_pages, block_table, self.pages.block_size,
+                               self.slot_state(slot), seq_len, k16, v16)
         else:
-            out = self.ops.attend(q4, lay, state, seq_len, k16, v16)
+            lay, state = self.state(kv_pages, block_table, slot, seq_len)
+            if self.ops is None:
+                out = reference.attend(q4, lay, state, seq_len, k16, v16)
+            else:
+                out = self.ops.attend(q4, lay, state, seq_len, k16, v16)
         return out[0].transpose(0, 1)
 
 

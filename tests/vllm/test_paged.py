@@ -111,6 +111,109 @@ def test_attention_over_pages_equals_the_packed_cache(nq, ops_name):
     torch.testing.assert_close(got2, want2, rtol=1e-5, atol=1e-5)
 
 
+# ---- the core's paged entry point (pnmix_attend_paged): the pages read in place ----------------------
+
+@pytest.mark.parametrize("config, heads, dim", [(SMALL, 2, 16), (HF_DEFAULT, 3, 64), (HF_DEFAULT, 8, 128),
+                                                (HF_DEFAULT.replace(value_group_size=32), 2, 64)])
+def test_page_sections_are_the_cores(config, heads, dim):
+    """PageLayout's offsets (from the format's state shapes) are the C core's (pnmix_group_sections,
+    what pnmix_attend_paged reads), not a second statement of them."""
+    make_ops("core")
+    from pnmix.backends.core_ops import group_sections
+
+    pages = PageLayout(config, heads, dim, config.group_size)
+    assert group_sections(pages.layout) == pages.section_offsets()
+
+
+def filled_pages(total: int, n_new: int, num_blocks: int = 48, seed: int = 5):
+    """A SmolLM2-shaped paged cache (3 KV heads, head dim 64, PnMixCache's default config) holding
+    `total` tokens in slot 1 over a shuffled block table, and n_new more tokens [H, n_new, D]."""
+    pages = PageLayout(HF_DEFAULT, 3, 64, HF_DEFAULT.group_size)
+    table = shuffled_blocks(pages.blocks_for(total + n_new), num_blocks, seed=seed)
+    kv_pages = torch.randint(0, 256, (num_blocks, 3, pages.head_page_bytes), dtype=torch.uint8,
+                             generator=torch.Generator().manual_seed(seed))  # stale bytes in unused pages
+    paged = PagedLayerCache(pages, slots=2)
+    gen = torch.Generator().manual_seed(seed + total)
+    k = (torch.randn(3, total + n_new, 64, generator=gen) * 2).half()
+    v = torch.randn(3, total + n_new, 64, generator=gen).half()
+    paged.append(kv_pages, table, 1, 0, k[:, :total], v[:, :total])
+    return paged, kv_pages, table, k[:, total:], v[:, total:]
+
+
+@pytest.fixture(params=["fp32", "fp32:avx2", "fp32:scalar", "int8:avx2", "int8:avx512vnni"])
+def core_arith(request):
+    """The core with each arithmetic and integer kernel (skipped where the CPU lacks it); fp32 on the
+    AVX2 kernel decodes keys with the 4-byte loads that read past a chunk (attend_group's `masked`)."""
+    ops = make_ops("core")
+    arith, _, isa = request.param.partition(":")
+    try:
+        ops.set_isa(isa or "auto")
+    except PnMixError:
+        pytest.skip(f"this CPU has no {isa} kernel")
+    ops.set_arith(arith)
+    assert ops.arith() == arith and (not isa or ops.isa() == isa)
+    yield ops
+    ops.set_arith("auto")
+    ops.set_isa("auto")
+
+
+# inside the sink, the sink full and no group, the first group, many groups (each with a residual)
+@pytest.mark.parametrize("total", [3, 100, 165, 1000, 4096])
+@pytest.mark.parametrize("nq", [1, 5])
+def test_paged_attention_equals_the_core_over_the_gathered_state(core_arith, total, nq):
+    ops = core_arith
+    paged, kv_pages, table, k_new, v_new = filled_pages(total, nq)
+    q = torch.randn(1, 9, nq, 64, generator=torch.Generator().manual_seed(total)).half()
+    lay, state = paged.state(kv_pages, table, 1, total)  # the gather: the contiguous state
+    k16, v16 = k_new[None], v_new[None]
+    want = ops.attend(q, lay, state, total, k16, v16)
+    for block_ids in (table, table.to(torch.int32)):
+        got = ops.attend_paged(q, lay, kv_pages, block_ids, 128, paged.slot_state(1), total, k16, v16)
+        assert torch.equal(got, want), block_ids.dtype
+    # PagedLayerCache.attend (the engine's call) reads the pages in place when its ops are the core
+    paged.ops = ops
+    got = paged.attend(kv_pages, table, 1, total, q[0].transpose(0, 1), k_new, v_new, 1.0 / math.sqrt(64))
+    assert torch.equal(got, want[0].transpose(0, 1))
+
+
+def test_paged_attention_bad_inputs_are_one_line_errors():
+    ops = make_ops("core")
+    paged, kv_pages, table, k_new, v_new = filled_pages(700, 1)
+    lay = paged.layout_at(700)
+    q = torch.randn(1, 9, 1, 64).half()
+    slot = paged.slot_state(1)
+
+    def attend(pages=kv_pages, block_ids=table, block_size=128, slot=slot, seq_len=700, layout=lay):
+        return ops.attend_paged(q, layout, pages, block_ids, block_size, slot, seq_len, k_new[None], v_new[None])
+
+    bad = table.clone()
+    bad[paged.pages.block_of_group(2)] = kv_pages.shape[0]
+    cases = [
+        (dict(block_ids=bad), "block table entry 3 \\(group 2\\) is block 48, outside 0..47"),
+        (dict(block_ids=table[:5]), "the block table has 5 blocks, 700 tokens need 6"),
+        (dict(pages=kv_pages[:0]), "pages or block_table pointer is null"),
+        (dict(block_size=64), "block_size 64 must equal group_size 128"),
+        (dict(pages=torch.zeros(48, 3, 100, dtype=torch.uint8)), "head_bytes 100 must be even and at least a group's 4864"),
+        (dict(slot={**slot, "sink_k": slot["sink_k"][:, :2], "sink_v": slot["sink_v"][:, :2]}),
+         "'sink_k' has 8192 bytes, the layout needs 12288"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(PnMixError, match=message) as info:
+            attend(**kwargs)
+        assert "\n" not in str(info.value)
+    # a null paged state through the C ABI: an error, and the output untouched
+    import ctypes
+
+    from pnmix.backends.core_ops import c_layout
+
+    out = torch.full((1, 9, 1, 64), 7.0)
+    c_lay = c_layout(lay)
+    status = ops.lib.pnmix_attend_paged(ctypes.byref(c_lay), None, 700, q.data_ptr(), 0, 9, 1, q.numel() * 2,
+                                        None, None, 0, 0, out.data_ptr(), out.numel() * 4, 0)
+    assert status != 0 and ops.lib.pnmix_last_error() == b"paged state pointer is null"
+    assert torch.equal(out, torch.full((1, 9, 1, 64), 7.0))
+
+
 def test_a_block_and_a_slot_cost_what_the_format_says():
     pages = PageLayout(HF_DEFAULT, 3, 64, 128)
     lay = CacheLayout(HF_DEFAULT, 1, 3, 64, 4096)
