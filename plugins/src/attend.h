@@ -39,50 +39,6 @@ struct AttendJob {
 
 inline int64_t partial_stride(const AttendJob& job) { return job.L.head_dim + 2; }
 
-// One (sequence, KV head, group)'s six tensors, wherever they are.
-struct GroupTensors {
-  const uint8_t* key_codes;
-  const uint16_t *key_step, *key_offset;
-  const uint8_t* value_codes;
-  const uint16_t *value_step, *value_offset;
-  // At least 16 readable bytes follow the key codes: the AVX2 decoders' wide loads (attend_group's
-  // `masked`, attend_int8.inc's `wide`) may read up to 3 (fp32) or 8 (int8) bytes past a chunk.
-  bool key_codes_tail;
-};
-
-// The one place the kernels address a group (bh = b * H + h): in the contiguous state, slot
-// bh * G + g of each group tensor; in a paged cache, the sections of head h's part of group g's
-// page. In the contiguous state the key codes of the last slot end the buffer; in a page they are
-// followed by the key steps and offsets (4D bytes), the value codes and the value steps and
-// offsets (>= 4 * gs >= 32 bytes), all inside the same head's part of the page, so the wide loads
-// are safe for every paged group.
-inline GroupTensors group_tensors(const AttendJob& job, int64_t bh, int64_t g) {
-  GroupTensors t;
-  if (job.group_pages) {  // batch 1: bh = h
-    const uint8_t* head = job.group_pages[g] + bh * job.head_bytes;
-    const int64_t* at = job.sections.first_byte;
-    t.key_codes = head + at[0];
-    t.key_step = reinterpret_cast<const uint16_t*>(head + at[1]);
-    t.key_offset = reinterpret_cast<const uint16_t*>(head + at[2]);
-    t.value_codes = head + at[3];
-    t.value_step = reinterpret_cast<const uint16_t*>(head + at[4]);
-    t.value_offset = reinterpret_cast<const uint16_t*>(head + at[5]);
-    t.key_codes_tail = true;
-    return t;
-  }
-  const pnmix_layout& L = job.L;
-  const int64_t G = max_groups(L), slot = bh * G + g, D = L.head_dim, gs = L.config.group_size;
-  const int64_t nvb = value_blocks(L);
-  t.key_codes = job.state.key_codes + slot * key_group_bytes(L);
-  t.key_step = job.state.key_step + slot * D;
-  t.key_offset = job.state.key_offset + slot * D;
-  t.value_codes = job.state.value_codes + slot * gs * value_token_bytes(L);
-  t.value_step = job.state.value_step + slot * gs * nvb;
-  t.value_offset = job.state.value_offset + slot * gs * nvb;
-  t.key_codes_tail = slot + 1 < L.batch * L.kv_heads * G;
-  return t;
-}
-
 // Threads worth waking for a call: one per kMinBytesPerThread of packed bytes to read (at least
 // one, at most `available`). Below that, waking a helper (and, inside a model, contending with
 // the framework's own threads for the cores) costs more than the split saves.
