@@ -2,13 +2,13 @@
 
 ``python -m pnmix.vllm.driver SPEC.json OUT.json``. SPEC: ``model`` (an HF folder), ``prompts`` (lists
 of token ids), ``max_tokens`` (one per prompt), ``logits`` (top-k raw logits to record per step, 0:
-none), ``engine`` (keyword arguments of ``vllm.LLM``) and ``record`` (optional: a file to which the
+none), ``engine`` (keyword arguments of ``vllm.LLM``), ``record`` (optional: a file to which the
 pn-mix backend's every layer call is written with ``torch.save``, {layer name: [call, ...]}, a call
 being the step's rows (first token, tokens, tokens cached before), slots, block table and the
 layer's query, key, value and output for those tokens; the engine then runs in this process, where
-the backend can be watched) or ``in_process`` (true: the engine core runs in this process without
-recording; it saves a second process's start). OUT: per prompt the greedy token ids and, per step, {token id: raw
-logit} of the top k; and the wall time of ``generate``.
+the backend can be watched) and ``in_process`` (optional, true: the engine core runs in this
+process without recording, which saves a second process's start). OUT: per prompt the greedy token
+ids and, per step, {token id: raw logit} of the top k; and the wall time of ``generate``.
 
 vLLM's engine starts a process of its own, so this runs as a script (``__main__``), never imported
 by the tests' own interpreter (tests/vllm/test_engine.py runs it in vLLM's virtual environment).
