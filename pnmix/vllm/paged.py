@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import reference
+from ..backends.core_ops import CoreOps
 from ..cache import CacheOps
 from ..config import PnMixConfig
 from ..errors import PnMixError
@@ -115,10 +116,13 @@ class PageLayout:
         return layers * (self.blocks_for(tokens) * self.page_bytes + self.slot_bytes)
 
     # ---- a page's bytes <-> the format's group tensors -----------------------------------
-    def write_group(self, head_page: torch.Tensor, tensors: Dict[str, torch.Tensor]) -> None:
-        """Write one (head, group)'s tensors into ``head_page`` (uint8 [head_page_bytes])."""
+    def write_groups(self, kv_pages: torch.Tensor, blocks: torch.Tensor, tensors: Dict[str, torch.Tensor]) -> None:
+        """Write groups' tensors [count, H, ...] into the pages of ``blocks`` (int64 [count]) of
+        kv_pages (uint8 [num_blocks, H, head_page_bytes]); the padding is left as it is."""
+        count = blocks.shape[0]
         for name, (at, size) in self.section_offsets().items():
-            head_page[at:at + size] = tensors[name].contiguous().view(torch.uint8).reshape(-1)
+            kv_pages[blocks, :, at:at + size] = tensors[name].contiguous().view(torch.uint8).reshape(
+                count, self.kv_heads, size)
 
     def read_groups(self, pages: torch.Tensor) -> Dict[str, torch.Tensor]:
         """pages uint8 [G, H, head_page_bytes] (a sequence's group pages, oldest first) -> the state's
@@ -170,6 +174,8 @@ class PagedLayerCache:
         self.pages = pages
         cfg, h, d = pages.config, pages.kv_heads, pages.head_dim
         self.ops = ops
+        # the core's flush appends to a scratch state of one sink token (_quantize_core)
+        self._scratch_config = cfg.replace(sink_tokens=1)
         self.sink_k = torch.zeros(slots, h, cfg.sink_tokens, d, dtype=torch.float16, device=device)
         self.sink_v = torch.zeros_like(self.sink_k)
         self.residual_k = torch.zeros(slots, h, cfg.residual_size, d, dtype=torch.float16, device=device)
@@ -204,8 +210,17 @@ class PagedLayerCache:
         self.residual_v[slot, :, :after.residual] = stream_v[:, rest:]
 
     def _flush(self, kv_pages, block_table, slot, first, stream_k, stream_v, count, lay) -> None:
-        """Quantize ``count`` groups (the stream's first tokens) into their pages (the reference's
-        quantizers: the bytes are the format's, docs/FORMAT.md section 4)."""
+        """Quantize ``count`` groups (the stream's first tokens) into their pages: the bytes are the
+        format's (docs/FORMAT.md section 4). With the C core as ops its append quantizes them (the
+        same bytes as the reference's quantizers, which quantize them otherwise)."""
+        if isinstance(self.ops, CoreOps):
+            parts = self._quantize_core(slot, stream_k, stream_v, count)
+        else:
+            parts = self._quantize_reference(slot, stream_k, stream_v, count, lay)
+        self._write_pages(kv_pages, block_table, first, parts)
+
+    def _quantize_reference(self, slot, stream_k, stream_v, count, lay) -> Dict[str, torch.Tensor]:
+        """The groups' six tensors [count, H, ...] from the reference's quantizers."""
         h, d, gs = self.pages.kv_heads, self.pages.head_dim, self.pages.config.group_size
         state = {"pair_mask": self.pair_mask[slot:slot + 1]}
         bits = reference.state_channel_bits(lay, state)[0]  # [H, D]
@@ -214,13 +229,34 @@ class PagedLayerCache:
         key_codes, key_step, key_offset = reference.quantize_key_groups(keys, rows_bits, lay)
         values = stream_v[:, :count * gs].reshape(h, count, gs, d).transpose(0, 1)  # [count, H, gs, D]
         value_codes, value_step, value_offset = reference.quantize_values(values, lay)
-        parts = {"key_codes": key_codes.reshape(count, h, -1), "key_step": key_step.reshape(count, h, d),
-                 "key_offset": key_offset.reshape(count, h, d), "value_codes": value_codes,
-                 "value_step": value_step, "value_offset": value_offset}
-        for j in range(count):
-            block = int(block_table[self.pages.block_of_group(first + j)])
-            for head in range(h):
-                self.pages.write_group(kv_pages[block, head], {name: t[j, head] for name, t in parts.items()})
+        return {"key_codes": key_codes.reshape(count, h, -1), "key_step": key_step.reshape(count, h, d),
+                "key_offset": key_offset.reshape(count, h, d), "value_codes": value_codes,
+                "value_step": value_step, "value_offset": value_offset}
+
+    def _quantize_core(self, slot, stream_k, stream_v, count) -> Dict[str, torch.Tensor]:
+        """The groups' six tensors [count, H, ...] from the core's append (pnmix_append): the stream
+        appended to a scratch batch-1 state of one sink token (already full, so nothing of the stream
+        goes there, and seq_len > 0 so the slot's pair mask is used, not chosen again) whose capacity
+        is just the stream. The stream's groups are flushed exactly as in the sequence (a flush
+        depends on the residual's length only) into the scratch's groups 0..count-1."""
+        assert isinstance(self.ops, CoreOps)
+        h, d = self.pages.kv_heads, self.pages.head_dim
+        length = stream_k.shape[1]
+        lay = CacheLayout(self._scratch_config, 1, h, d, 1 + length)
+        if lay.lengths(1 + length).groups != count:
+            raise PnMixError(f"internal: a stream of {length} tokens flushes "
+                             f"{lay.lengths(1 + length).groups} groups, not {count}")
+        state = lay.empty_state()
+        state["pair_mask"].copy_(self.pair_mask[slot:slot + 1])
+        self.ops.append(lay, state, 1, stream_k.unsqueeze(0), stream_v.unsqueeze(0))
+        return {name: state[name][0, :, :count].transpose(0, 1) for name in GROUP_TENSORS}
+
+    def _write_pages(self, kv_pages, block_table, first, parts: Dict[str, torch.Tensor]) -> None:
+        """Write groups first.. (tensors [count, H, ...]) into their pages: consecutive groups are in
+        consecutive entries of the block table (block_size == group_size)."""
+        start = self.pages.block_of_group(first)
+        blocks = block_table[start:start + parts["key_step"].shape[0]].to(device=kv_pages.device, dtype=torch.long)
+        self.pages.write_groups(kv_pages, blocks, parts)
 
     # ---- attention -----------------------------------------------------------------------------
     def layout_at(self, seq_len: int) -> CacheLayout:

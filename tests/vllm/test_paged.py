@@ -84,6 +84,42 @@ def test_flushed_pages_hold_the_format_bytes_of_their_group(config, heads, dim, 
     assert packed.lengths().groups >= 2  # the cases flush more than one group
 
 
+# one group per append, several at once (a prefill, a long chunk), a group completed by one token
+@pytest.mark.parametrize("config, heads, dim, chunks, flushed", [
+    (SMALL, 2, 16, (37, 1, 1, 9, 30, 1, 50, 16, 17), {1, 2, 3}),
+    (SMALL.replace(sink_tokens=0), 2, 16, (16, 24, 1, 7, 40, 1, 33), {2, 3}),  # no sink: the mask stays the slot's
+    (HF_DEFAULT, 3, 64, (200, 1, 90, 1, 1, 120), {1}),
+    (HF_DEFAULT, 3, 64, (1024,), {7}),
+    (HF_DEFAULT, 3, 64, (4096, 127, 1, 128), {1, 31}),
+    (HF_DEFAULT, 3, 64, (31, 1, 256, 130, 400), {1, 2, 3}),
+])
+def test_the_cores_flush_writes_the_references_pages(config, heads, dim, chunks, flushed):
+    """PagedLayerCache with the core as ops flushes its groups through the core's append; the pages,
+    sink, residual and mask equal those of the reference's flush (ops None) byte for byte."""
+    core = make_ops("core")
+    pages = PageLayout(config, heads, dim, config.group_size)
+    total = sum(chunks)
+    num_blocks = pages.blocks_for(total) + 3
+    table = shuffled_blocks(pages.blocks_for(total), num_blocks, seed=total)
+    caches = {"reference": PagedLayerCache(pages, slots=2), "core": PagedLayerCache(pages, slots=2, ops=core)}
+    kv = {name: torch.zeros(num_blocks, heads, pages.head_page_bytes, dtype=torch.uint8) for name in caches}
+    gen = torch.Generator().manual_seed(total)
+    k_all = (torch.randn(heads, total, dim, generator=gen) * 2).half()
+    v_all = torch.randn(heads, total, dim, generator=gen).float()  # any float dtype; stored as fp16
+    done, flushes = 0, set()
+    for n in chunks:
+        before = pages.layout.lengths(done).groups if done else 0
+        for name, cache in caches.items():
+            cache.append(kv[name], table, 1, done, k_all[:, done:done + n], v_all[:, done:done + n])
+        done += n
+        flushes.add(CacheLayout(config, 1, heads, dim, done).lengths(done).groups - before)
+        assert torch.equal(kv["core"], kv["reference"]), f"pages after {done} tokens"
+        for t in ("sink_k", "sink_v", "residual_k", "residual_v", "pair_mask"):
+            assert torch.equal(getattr(caches["core"], t), getattr(caches["reference"], t)), (t, done)
+    assert kv["core"].any()
+    assert flushes - {0} == flushed  # the groups one append flushed: one, or several at once
+
+
 @pytest.mark.parametrize("ops_name", ["torch", "core"])
 @pytest.mark.parametrize("nq", [1, 7])
 def test_attention_over_pages_equals_the_packed_cache(nq, ops_name):
