@@ -19,6 +19,7 @@ For each context C (default 512, 2048, 4096): a prefill of C tokens (one call, t
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import subprocess
 import sys
@@ -119,9 +120,15 @@ def time_pnmix(path: Path, ids: List[int], repeats: int, threads: Optional[int],
         decode = Stopwatch()
         for _ in range(repeats):
             logits = decode.time(session.step, [int(np.argmax(logits))])
-    return {**_rates(len(ids), prefill, decode),
-            "kv_bytes": session.cache_bytes()["persistent_cache_bytes"],
-            "kv_bytes_allocated": session.cache_bytes()["allocated_bytes"]}
+    result = {**_rates(len(ids), prefill, decode),
+              "kv_bytes": session.cache_bytes()["persistent_cache_bytes"],
+              "kv_bytes_allocated": session.cache_bytes()["allocated_bytes"]}
+    # Drop the row's session before the next row runs: one left to the garbage collector keeps its
+    # arena (gigabytes after an 8K prefill) and threads, and rows after it ran at a third of their
+    # speed (docs/OPS.md 5.3).
+    del session
+    gc.collect()
+    return result
 
 
 def time_peer(folder: Path, ids: List[int], repeats: int) -> Dict[str, Any]:
@@ -137,7 +144,10 @@ def time_peer(folder: Path, ids: List[int], repeats: int) -> Dict[str, Any]:
     decode = Stopwatch()
     for _ in range(repeats):
         decode.time(generator.generate_next_token)
-    return _rates(len(ids), prefill, decode)
+    result = _rates(len(ids), prefill, decode)
+    del generator, params, model  # as time_pnmix's session
+    gc.collect()
+    return result
 
 
 def check_file_model(info, model: str, source, model_config, tokenizer) -> None:
