@@ -5,21 +5,31 @@ from __future__ import annotations
 
 import os
 import platform
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Set
 
 from .errors import PnMixError
 
 
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo), else what platform knows."""
+def cpuinfo_field(name: str) -> Optional[str]:
+    """The first value of a /proc/cpuinfo field ("model name", "flags"), or None without one."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
-                if line.startswith("model name"):
+                if line.startswith(name):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine() or "unknown CPU"
+    return None
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform knows."""
+    return cpuinfo_field("model name") or platform.processor() or platform.machine() or "unknown CPU"
+
+
+def cpu_flags() -> Set[str]:
+    """The CPU's feature flags as /proc/cpuinfo names them (empty where there is none)."""
+    return set((cpuinfo_field("flags") or "").split())
 
 
 def load_average() -> Optional[List[float]]:

@@ -124,6 +124,8 @@ const char* isa_name(Isa isa) {
                                    : "scalar";
 }
 
+bool is_avx512(Isa isa) { return isa == Isa::kAvx512 || isa == Isa::kAvx512Vbmi || isa == Isa::kAvx512Vnni; }
+
 // The integer path's kernel: the VNNI one unless AVX2 is forced or the CPU lacks VNNI (a forced
 // avx512 or avx512vbmi runs the AVX2 pair kernel, the one those CPUs have).
 Isa int8_isa() {
@@ -134,8 +136,7 @@ Isa int8_isa() {
 ItemFn item_function(const pnmix_layout& L, const Int8Halves& int8) {
   Isa isa = int8.keys || int8.values ? int8_isa() : best_isa();
 #if defined(PNMIX_HAVE_X86_KERNELS)
-  const bool wide = isa == Isa::kAvx512 || isa == Isa::kAvx512Vbmi || isa == Isa::kAvx512Vnni;
-  if (wide && L.config.group_size % 16) isa = Isa::kAvx2;  // 16-token chunks need gs % 16
+  if (is_avx512(isa) && L.config.group_size % 16) isa = Isa::kAvx2;  // 16-token chunks need gs % 16
   if (isa == Isa::kAvx512Vnni) return attend_item_avx512vnni;
   if (isa == Isa::kAvx512Vbmi) return attend_item_avx512vbmi;
   if (isa == Isa::kAvx512) return attend_item_avx512;
@@ -279,9 +280,8 @@ int pnmix_madd_rate(const char* kind, int threads, int64_t iterations, double* m
   const int n = resolve_threads(threads);
   ProbeRun run;
 #if defined(PNMIX_HAVE_X86_KERNELS)  // the instructions of the kernel the arithmetic runs on
-  const bool avx512 = best_isa() == Isa::kAvx512 || best_isa() == Isa::kAvx512Vbmi || best_isa() == Isa::kAvx512Vnni;
   run.loop = int8 ? (int8_isa() == Isa::kAvx512Vnni ? int8_madds_vnni : int8_madds)
-                  : (avx512 ? fp32_madds_avx512 : fp32_madds);
+                  : (is_avx512(best_isa()) ? fp32_madds_avx512 : fp32_madds);
 #endif
   run.iterations = iterations;
   parallel_for(n, n, run_probe, &run);

@@ -16,6 +16,7 @@ from pnmix import reference
 from pnmix._native import library_status
 from pnmix.cache import append_reference
 from pnmix.config import CONFIG_FIELDS, PnMixConfig
+from pnmix.machine import cpu_flags
 from pnmix.errors import PnMixError
 from pnmix.format import STATE_NAMES, CacheLayout
 from pnmix.testing import make_random_kv
@@ -446,15 +447,7 @@ def _int8_case(config, head_dim, seq_len=900, n_new=3, scale=2.0, seed=11):
     return layout, state, q, k[:, :, seq_len:], v[:, :, seq_len:]
 
 
-def cpu_flags() -> set:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return set(next(line for line in f if line.startswith("flags")).split(":")[1].split())
-    except (OSError, StopIteration):
-        return set()
-
-
-HAS_VNNI = {"avx512vbmi", "avx512_vnni"} <= cpu_flags()
+HAS_VNNI = {"avx512vbmi", "avx512_vnni"} <= cpu_flags()  # the avx512vnni kernel's needs
 
 
 @pytest.fixture(params=["avx2", "avx512vnni"])
