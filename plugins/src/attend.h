@@ -21,7 +21,8 @@ struct AttendJob {
   int64_t seq_len, n_new, total;  // total = seq_len + n_new key positions
   int64_t q_heads, nq, group_q;   // group_q = Hq / H query heads per KV head
   int64_t rows;                   // group_q * nq query rows per KV head
-  int64_t splits;
+  int64_t splits;      // of the groups, merged by log-sum-exp
+  int64_t row_blocks = 1;  // of the rows (a chunk of many queries): each covers every key
   float scale;
   bool int8_keys = false, int8_values = false;  // the integer path (attend_int8.inc) for each half
   const float* q;  // fp32 [B, Hq, nq, D]
@@ -39,17 +40,31 @@ struct AttendJob {
 
 inline int64_t partial_stride(const AttendJob& job) { return job.L.head_dim + 2; }
 
-// Threads worth waking for a call: one per kMinBytesPerThread of packed bytes to read (at least
-// one, at most `available`). Below that, waking a helper (and, inside a model, contending with
-// the framework's own threads for the cores) costs more than the split saves.
+// Threads worth waking for a call: one per kMinBytesPerThread of packed bytes to read, or per
+// kMinDenseMacsPerThread multiply-adds of the queries against the fp16 tokens (a long chunk over
+// a short cache: its own keys), whichever asks for more (at least one, at most `available`).
+// Below that, waking a helper (and, inside a model, contending with the framework's own threads
+// for the cores) costs more than the split saves.
 // On a caller's pool whose threads are already awake (pnmix_attend_on: an engine's intra-op pool
 // between its own kernels), a thread pays for itself on far less.
 constexpr int64_t kMinBytesPerThread = (int64_t)2 << 20;
 constexpr int64_t kMinBytesPerAwakeThread = (int64_t)PNMIX_MIN_KB_PER_AWAKE_THREAD << 10;
+constexpr int64_t kMinDenseMacsPerThread = (int64_t)4 << 20;  // about 0.1 ms of one core's FMAs
+constexpr int64_t kMinRowsPerBlock = 32;  // a row block's rows: the group decoding each block repeats pays off
 
-inline int attend_threads(const pnmix_layout& L, int64_t seq_len, int available, bool awake = false) {
-  const int64_t useful = persistent_bytes(L, seq_len) / (awake ? kMinBytesPerAwakeThread : kMinBytesPerThread);
+inline int attend_threads(const pnmix_layout& L, int64_t seq_len, int available, bool awake = false,
+                          int64_t dense_macs = 0) {
+  int64_t useful = persistent_bytes(L, seq_len) / (awake ? kMinBytesPerAwakeThread : kMinBytesPerThread);
+  if (dense_macs / kMinDenseMacsPerThread > useful) useful = dense_macs / kMinDenseMacsPerThread;
   return useful < 1 ? 1 : useful < available ? (int)useful : available;
+}
+
+// Multiply-adds of a call's queries against its fp16 tokens (sink, residual, new; causal), both
+// products (scores and values).
+inline int64_t dense_macs(const AttendJob& job, int64_t batch) {
+  const int64_t dense = job.n.sink + job.n.residual + job.n_new;
+  const int64_t seen = dense < job.nq ? dense : job.nq;  // the chunk's own keys are causal: about half
+  return 2 * batch * job.L.kv_heads * job.group_q * (job.nq * (dense - seen) + job.nq * seen / 2) * job.L.head_dim;
 }
 
 // What the integer path (attend_int8.inc) takes. Keys: codes of at most 4 bits (two products of a

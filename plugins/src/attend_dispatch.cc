@@ -429,11 +429,17 @@ static int attend_impl(const pnmix_layout* layout, const pnmix_state* state, con
   const Int8Halves int8 = int8_halves(L);
   job.int8_keys = int8.keys;
   job.int8_values = int8.values;
-  const int nthreads = attend_threads(L, seq_len, resolve_threads(threads), runner != nullptr);
+  const int nthreads = attend_threads(L, seq_len, resolve_threads(threads), runner != nullptr, dense_macs(job, B));
   const int64_t heads = B * H;
-  int64_t splits = (8 * nthreads + heads - 1) / heads;  // enough items for dynamic balance across threads
+  const int64_t wanted = 8 * nthreads;  // enough items for dynamic balance across threads
+  int64_t splits = (wanted + heads - 1) / heads;
   if (splits > job.n.groups) splits = job.n.groups;
   job.splits = splits < 1 ? 1 : splits;
+  // A chunk of many queries: its rows split too (each block of rows reads every key), so that
+  // a short cache with a long chunk still fills the threads.
+  int64_t row_blocks = (wanted + heads * job.splits - 1) / (heads * job.splits);
+  if (row_blocks > job.rows / kMinRowsPerBlock) row_blocks = job.rows / kMinRowsPerBlock;
+  job.row_blocks = row_blocks < 1 ? 1 : row_blocks;
   job.q = q32.data();
   if (paged) {
     job.state = StateView<false>{};
@@ -450,8 +456,8 @@ static int attend_impl(const pnmix_layout* layout, const pnmix_state* state, con
   }
   job.k_new = k_new;
   job.v_new = v_new;
-  const int64_t items = heads * job.splits;
-  const int64_t partial_floats = items * job.rows * partial_stride(job);
+  const int64_t items = heads * job.splits * job.row_blocks;
+  const int64_t partial_floats = heads * job.splits * job.rows * partial_stride(job);
   if ((int64_t)partial.size() < partial_floats) partial.resize(partial_floats);
   job.partial = partial.data();
 

@@ -353,6 +353,36 @@ TASK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)
 RUNNER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, TASK, ctypes.c_void_p, ctypes.c_int64)
 
 
+@pytest.mark.parametrize("name, head_dim", [("manifest", 64), ("odd", 40)])
+def test_a_long_chunk_splits_its_rows_and_stays_within_tolerance(ops, name, head_dim):
+    """A chunk of many queries (a prompt's later chunk) over a short cache: its rows are split
+    into blocks that each read every key, the fp16 tokens go through the block-tiled products
+    (head dims that are not a multiple of the vector width take the scalar tail). Every kernel and
+    thread count stays within tolerance of the reference, and the first query sees exactly what a
+    one-query call at its position sees."""
+    config = CONFIGS[name]
+    seq_len, n_new = 150, 203  # a partial key block at the end
+    layout = CacheLayout(config, 1, 2, head_dim, seq_len + n_new)
+    k, v = make_random_kv(1, 2, seq_len + n_new, head_dim, seed=21)
+    state, _ = run_schedule(append_reference, layout, [seq_len], k[:, :, :seq_len], v[:, :, :seq_len])
+    k_new, v_new = k[:, :, seq_len:], v[:, :, seq_len:]
+    q = torch.randn(1, 6, n_new, head_dim, generator=torch.Generator().manual_seed(8)).half()
+    expected = reference.attend(q, layout, state, seq_len, k_new, v_new)
+    first = reference.attend(q[:, :, :1], layout, state, seq_len, k_new[:, :, :1], v_new[:, :, :1])
+    assert (expected[:, :, :1] - first).abs().max().item() <= 1e-5  # the reference is causal
+    for isa in ["scalar", "avx2", "avx512", "avx512vbmi", "avx512vnni"]:
+        try:
+            ops.set_isa(isa)
+        except PnMixError:
+            continue  # this CPU lacks it
+        for threads in (1, 2, 3):
+            ops.threads = threads
+            got = ops.attend(q, layout, state, seq_len, k_new, v_new)
+            assert (got - expected).abs().max().item() <= 1e-3, (isa, threads)
+    ops.set_isa("auto")
+    ops.threads = 0
+
+
 def test_attention_on_a_callers_pool_is_bit_identical(ops):
     """pnmix_attend_on hands every work item to the caller's parallel-for (ONNX Runtime's pool in
     libpnmix_ort): here one that runs them in reverse order. Each item runs once and the output is
