@@ -69,11 +69,16 @@ def seed_weights(seed: int) -> Dict[str, np.ndarray]:
     }
 
 
-def check_export_args(config: PnMixConfig, max_seq_len: int, batch: int, opset: int, seed: int = defaults.MODEL_SEED) -> CacheLayout:
-    """Every export option's range, in one place, before anything is built."""
+def check_opset(opset: int) -> None:
+    """--opset of any export (the diagnostic model's or an LLM's)."""
     newest = onnx.defs.onnx_opset_version()
     if isinstance(opset, bool) or not isinstance(opset, int) or not MIN_OPSET <= opset <= newest:
         raise PnMixError(f"--opset must be {MIN_OPSET}..{newest}, got {opset}")
+
+
+def check_export_args(config: PnMixConfig, max_seq_len: int, batch: int, opset: int, seed: int = defaults.MODEL_SEED) -> CacheLayout:
+    """Every export option's range, in one place, before anything is built."""
+    check_opset(opset)
     if isinstance(seed, bool) or not isinstance(seed, int) or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
         raise PnMixError(f"--seed must be an integer {SEED_RANGE[0]}..{SEED_RANGE[1]} (a torch seed), got {seed!r}")
     layout = CacheLayout(config, batch, KV_HEADS, HEAD_DIM, max_seq_len)

@@ -108,11 +108,19 @@ def _linear(source: nn.Linear) -> nn.Linear:
     return layer
 
 
+def fused_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """self_attention as one SDPA, which the exporter writes as ONNX's Attention op (opset 23+):
+    the same causal GQA attention, fp32 [B, Hq, n, D]."""
+    return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True,
+                                                  scale=head_dim ** -0.5).float().contiguous()
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, hf_layer: Any, dims: "Dims"):
+    def __init__(self, hf_layer: Any, dims: "Dims", fused_prefill: bool = False):
         super().__init__()
         attn, mlp = hf_layer.self_attn, hf_layer.mlp
         self.dims = dims
+        self.prefill_attention = fused_self_attention if fused_prefill else self_attention
         self.input_norm = RMSNorm(hf_layer.input_layernorm.weight, dims.eps)
         self.q_proj, self.k_proj, self.v_proj = _linear(attn.q_proj), _linear(attn.k_proj), _linear(attn.v_proj)
         self.o_proj = _linear(attn.o_proj)
@@ -140,7 +148,7 @@ class DecoderLayer(nn.Module):
         # becomes an ONNX If, so each call computes one of the two (a prefill's op attention over
         # its own tokens cost half of a 2K prefill when both ran and a Where picked one).
         def prefill(q, k, v, q16, k16, v16, seq_len, new_len, *state):
-            return self_attention(q, k, v, d.head_dim)
+            return self.prefill_attention(q, k, v, d.head_dim)
 
         def step(q, k, v, q16, k16, v16, seq_len, new_len, *state):
             return torch_ops.attention(q16, k16, v16, seq_len, new_len, state, config, max_seq_len)
@@ -214,7 +222,8 @@ class PnMixDecoder(nn.Module):
     rope_cos: torch.Tensor  # [max_seq_len, D], buffers registered in __init__
     rope_sin: torch.Tensor
 
-    def __init__(self, hf_model: Any, config: PnMixConfig, max_seq_len: int, batch: int = 1):
+    def __init__(self, hf_model: Any, config: PnMixConfig, max_seq_len: int, batch: int = 1,
+                 fused_prefill: bool = False):
         super().__init__()
         self.dims = dims = Dims.from_config(hf_model.config)
         dims.check_capacity(max_seq_len)
@@ -223,7 +232,7 @@ class PnMixDecoder(nn.Module):
         self.max_seq_len = max_seq_len
         inner = hf_model.model
         self.embed = nn.Parameter(inner.embed_tokens.weight.detach(), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(layer, dims) for layer in inner.layers)
+        self.layers = nn.ModuleList(DecoderLayer(layer, dims, fused_prefill) for layer in inner.layers)
         self.norm = RMSNorm(inner.norm.weight, dims.eps)
         head = hf_model.lm_head.weight
         # Tied embeddings stay one tensor (one initializer in the file).

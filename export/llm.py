@@ -31,7 +31,6 @@ from pnmix.errors import PnMixError, describe
 from .llm_file import LlmMetadata, data_digest, tokenizer_fingerprint
 from .tracing import META_PREFIX, finish
 
-EXPORT_OPSET = defaults.EXPORT_OPSET
 DTYPES = ("fp32", "fp16")
 
 
@@ -62,28 +61,33 @@ def llm_config(model_config: Any, config_path: Optional[Path]) -> PnMixConfig:
         raise PnMixError(f"config file {config_path}: {describe(exc)}") from None
 
 
-def build_decoder(source, dtype: str, max_seq_len: int, config_path: Optional[Path]):
-    """(decoder, hf model, model config) for MODEL, every check before the weights load."""
+def build_decoder(source, dtype: str, max_seq_len: int, config_path: Optional[Path],
+                  opset: int = defaults.LLM_EXPORT_OPSET):
+    """(decoder, hf model, model config) for MODEL, every check before the weights load. From
+    ATTENTION_OP_OPSET the prefill's attention is written as ONNX's Attention op."""
     from pnmix.hf.models import load_causal_lm, load_model_config
 
+    from .exporter import check_opset
     from .llama import Dims, PnMixDecoder
 
     if dtype not in DTYPES:
         raise PnMixError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    check_opset(opset)
     model_config = load_model_config(source)
     Dims.from_config(model_config).check_capacity(max_seq_len)
     config = llm_config(model_config, config_path)
     hf_model = load_causal_lm(source, dtype, model_config=model_config)
-    return PnMixDecoder(hf_model, config, max_seq_len).eval(), hf_model, model_config
+    decoder = PnMixDecoder(hf_model, config, max_seq_len, fused_prefill=opset >= defaults.ATTENTION_OP_OPSET)
+    return decoder.eval(), hf_model, model_config
 
 
-def trace(decoder) -> Any:
+def trace(decoder, opset: int = defaults.LLM_EXPORT_OPSET) -> Any:
     """The decoder through the one exporter (export/tracing.py): an onnx_ir model with pn-mix nodes."""
     from .tracing import trace as trace_module
 
     inputs, outputs = decoder.state_names()
     return trace_module(decoder, decoder.layout, decoder.empty_state(), ["input_ids", "seq_len", "new_len", *inputs],
-                        ["logits", *outputs], EXPORT_OPSET)
+                        ["logits", *outputs], opset)
 
 
 def save_atomic(ir_model, path: Path, check: bool = True) -> Path:
@@ -136,7 +140,7 @@ def keep_mode(staged: Path, target: Path) -> None:
 
 def export_llm(model: str, output: Path, max_seq_len: int = defaults.EXPORT_MAX_SEQ_LEN,
                config_path: Optional[Path] = None, dtype: str = defaults.LLM_EXPORT_DTYPE,
-               check: bool = True) -> LlmExportResult:
+               check: bool = True, opset: int = defaults.LLM_EXPORT_OPSET) -> LlmExportResult:
     from pnmix.hf.models import load_tokenizer, resolve_model
     from pnmix.io import check_output_path
 
@@ -144,17 +148,17 @@ def export_llm(model: str, output: Path, max_seq_len: int = defaults.EXPORT_MAX_
     check_output_path(output.with_name(output.name + ".data"))  # a folder or a FIFO there: refused now, not after the export
     began = time.perf_counter()
     source = resolve_model(model)
-    decoder, _, model_config = build_decoder(source, dtype, max_seq_len, config_path)
+    decoder, _, model_config = build_decoder(source, dtype, max_seq_len, config_path, opset)
     tokenizer = load_tokenizer(source)
     dims = decoder.dims
-    ir_model = trace(decoder)
+    ir_model = trace(decoder, opset)
     layout = decoder.layout
     metadata = LlmMetadata(config=layout.config, max_seq_len=layout.max_seq_len, batch=layout.batch,
                            model=source.name, model_type=dims.model_type, layers=dims.layers, q_heads=dims.q_heads,
                            kv_heads=dims.kv_heads, head_dim=dims.head_dim, vocab_size=dims.vocab, dtype=dtype,
                            tokenizer_sha256=tokenizer_fingerprint(tokenizer),
                            data_sha256="0" * 64)  # the digest of the weights, once save_atomic has written them
-    finish(ir_model, layout, dims.q_heads, EXPORT_OPSET, metadata.to_props())
+    finish(ir_model, layout, dims.q_heads, opset, metadata.to_props())
     data_path = save_atomic(ir_model, output, check)
     return LlmExportResult(output, data_path, time.perf_counter() - began, output.stat().st_size,
                            data_path.stat().st_size, dims.layers, max_seq_len)
@@ -172,9 +176,10 @@ def check_written(path: Path, output: Path) -> None:
         raise PnMixError(f"exported model {output} fails the ONNX checker: {first}") from None
 
 
-def export_llm_command(model: str, output: Path, max_seq_len: int, config: Optional[Path], dtype: str) -> int:
-    result = export_llm(model, output, max_seq_len, config, dtype)
+def export_llm_command(model: str, output: Path, max_seq_len: int, config: Optional[Path], dtype: str,
+                       opset: int = defaults.LLM_EXPORT_OPSET) -> int:
+    result = export_llm(model, output, max_seq_len, config, dtype, opset=opset)
     print(f"wrote {result.path} ({result.file_bytes} bytes) and {result.data_path.name} ({result.data_bytes} "
           f"bytes) in {result.seconds:.1f} s: {model}, {result.layers} layers, max_seq_len {max_seq_len}, "
-          f"dtype {dtype}, pn-mix ops {result.layers} x 2")
+          f"dtype {dtype}, opset {opset}, pn-mix ops {result.layers} x 2")
     return 0

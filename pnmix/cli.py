@@ -297,23 +297,26 @@ def export(
     manifest: ManifestFile = None,
     max_seq_len: MaxSeqLen = defaults.EXPORT_MAX_SEQ_LEN,
     batch: int = typer.Option(defaults.EXPORT_BATCH, help="Batch size of the cache state."),
-    opset: int = typer.Option(defaults.EXPORT_OPSET, help="ONNX default-domain opset."),
+    opset: Optional[int] = typer.Option(
+        None, help=f"ONNX default-domain opset (default {defaults.EXPORT_OPSET}; with --model "
+                   f"{defaults.LLM_EXPORT_OPSET}, where a prefill's attention is ONNX's Attention op)."),
     seed: int = typer.Option(defaults.MODEL_SEED, help="Seed of the diagnostic model's weights."),
     model: Optional[str] = typer.Option(None, help=f"A Llama-family LLM ({MODEL_KINDS}) instead of the diagnostic model."),
     dtype: str = typer.Option(defaults.LLM_EXPORT_DTYPE, help="With --model: fp32 or fp16 weights."),
 ) -> int:
     """Export the diagnostic model, or with --model a whole LLM, with pn-mix custom ops to ONE ONNX file."""
     if model is not None:
-        if (batch, opset, seed, manifest) != (defaults.EXPORT_BATCH, defaults.EXPORT_OPSET, defaults.MODEL_SEED, None):
-            raise PnMixError("--batch, --opset, --seed and --manifest are options of the diagnostic model; "
-                             "an LLM file (--model) has batch 1, opset 18 and the model's weights")
+        if (batch, seed, manifest) != (defaults.EXPORT_BATCH, defaults.MODEL_SEED, None):
+            raise PnMixError("--batch, --seed and --manifest are options of the diagnostic model; "
+                             "an LLM file (--model) has batch 1 and the model's weights")
         from .export.llm import export_llm_command
 
-        return export_llm_command(model=model, output=output, max_seq_len=max_seq_len, config=config, dtype=dtype)
+        return export_llm_command(model=model, output=output, max_seq_len=max_seq_len, config=config, dtype=dtype,
+                                  opset=defaults.LLM_EXPORT_OPSET if opset is None else opset)
     from .export.exporter import export_command
 
     return export_command(output=output, config=config, manifest=manifest, max_seq_len=max_seq_len, batch=batch,
-                          opset=opset, seed=seed)
+                          opset=defaults.EXPORT_OPSET if opset is None else opset, seed=seed)
 
 
 @command(app)

@@ -5,6 +5,10 @@ reads them without importing the heavy modules."""
 EXPORT_MAX_SEQ_LEN = 4096  # cache capacity of an exported model, in tokens
 EXPORT_BATCH = 1
 EXPORT_OPSET = 18  # ONNX default-domain opset
+# An LLM file's default opset: from 23 a prefill's causal attention is ONNX's Attention op (one
+# fused kernel in ONNX Runtime) instead of MatMul, a mask and Softmax; `--opset 18` keeps those.
+LLM_EXPORT_OPSET = 23
+ATTENTION_OP_OPSET = 23
 MODEL_SEED = 42  # the diagnostic model's weights
 LLM_EXPORT_DTYPE = "fp32"  # `pnmix export --model`: the weights' dtype
 

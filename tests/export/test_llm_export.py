@@ -14,6 +14,7 @@ pytest.importorskip("transformers", reason="the LLM exporter needs transformers"
 pytest.importorskip("onnxruntime", reason="generation runs in ONNX Runtime")
 pytest.importorskip("onnxscript", reason="torch.onnx.export(dynamo=True) needs onnxscript (pnmix[hf])")
 
+from pnmix import defaults  # noqa: E402
 from pnmix.config import PnMixConfig  # noqa: E402
 from pnmix.errors import PnMixError  # noqa: E402
 from pnmix.export import ops  # noqa: E402
@@ -43,6 +44,10 @@ def run_cli(*args):
     return Result(CliRunner().invoke(app, [str(a) for a in args]))
 
 
+def default_opset(model) -> int:
+    return next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+
+
 def test_file_has_two_pnmix_nodes_per_layer_with_the_table_and_the_function_bodies(tiny):
     model = onnx.load(str(tiny["onnx"]), load_external_data=False)
     info = read_llm_info(tiny["onnx"])
@@ -50,10 +55,17 @@ def test_file_has_two_pnmix_nodes_per_layer_with_the_table_and_the_function_bodi
     assert info.config == config and info.layers == 2 and info.max_seq_len == CAPACITY
     nodes = [n for n in ops.walk_nodes(model.graph) if n.domain == ops.DOMAIN]
     assert sorted(n.op_type for n in nodes) == [ops.APPEND_OP] * 2 + [ops.ATTENTION_OP] * 2
-    # each attention runs in the else branch of an If on seq_len == 0 (a prefill attends in fp32)
+    # each attention runs in the else branch of an If on seq_len == 0; a prefill (the then branch)
+    # attends in fp32 through ONNX's Attention op (opset 23, the LLM files' default)
     ifs = [n for n in model.graph.node if n.op_type == "If"]
-    assert [[x.op_type for x in ops.walk_nodes(onnx.helper.get_attribute_value(
-        next(a for a in n.attribute if a.name == "else_branch")))] for n in ifs] == [[ops.ATTENTION_OP]] * 2
+
+    def branch(node, name):
+        return [x.op_type for x in ops.walk_nodes(onnx.helper.get_attribute_value(
+            next(a for a in node.attribute if a.name == name)))]
+
+    assert [branch(n, "else_branch") for n in ifs] == [[ops.ATTENTION_OP]] * 2
+    assert all(branch(n, "then_branch").count("Attention") == 1 for n in ifs)
+    assert default_opset(model) == defaults.LLM_EXPORT_OPSET == 23
     want = ops.node_attributes(config)
     for node in nodes:
         got = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
@@ -61,8 +73,8 @@ def test_file_has_two_pnmix_nodes_per_layer_with_the_table_and_the_function_bodi
         assert got == want
     functions = {f.name: f for f in model.functions if f.domain == ops.DOMAIN}
     assert functions[ops.ATTENTION_OP].SerializeToString() == \
-        attention_function(info.layout, 4, 18).SerializeToString()
-    assert functions[ops.APPEND_OP].SerializeToString() == append_function(info.layout, 18).SerializeToString()
+        attention_function(info.layout, 4, 23).SerializeToString()
+    assert functions[ops.APPEND_OP].SerializeToString() == append_function(info.layout, 23).SerializeToString()
     # the weights live beside the file (ONNX external data)
     external = [t for t in model.graph.initializer if onnx.external_data_helper.uses_external_data(t)]
     assert sum(np.prod(t.dims) * 4 for t in external) == tiny["result"].data_bytes > 300_000
@@ -91,6 +103,29 @@ def test_generation_in_onnx_runtime_matches_the_pytorch_decoder(tiny):
             ids = [tokens[-1]]
     assert result.new_ids == tokens
     assert session.info.layout.lengths(session.seq_len).groups >= 2  # the run quantized groups
+
+
+def test_opset_18_composes_the_prefill_and_generates_the_same_tokens(tiny, tmp_path):
+    """`--opset 18` (runtimes without ONNX's Attention op): the prefill's attention is MatMul, a
+    causal mask and Softmax; the file generates the default file's tokens, its prefill logits
+    within float rounding of them."""
+    out = tmp_path / "m18.onnx"
+    result = run_cli("export", "--model", tiny["folder"], "--config", tiny["config"], "--max-seq-len", CAPACITY,
+                     "-o", out, "--opset", 18)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "opset 18" in result.stdout
+    model = onnx.load(str(out), load_external_data=False)
+    assert default_opset(model) == 18
+    kinds = [n.op_type for n in ops.walk_nodes(model.graph)]
+    assert "Attention" not in kinds and "Softmax" in kinds
+    prompt = list(range(3, 43))
+    composed, fused = LlmSession(out), LlmSession(tiny["onnx"])
+    logits = [s.step(prompt) for s in (composed, fused)]
+    assert np.abs(logits[0] - logits[1]).max() <= 1e-4
+    assert greedy(LlmSession(out), prompt, 20).new_ids == greedy(LlmSession(tiny["onnx"]), prompt, 20).new_ids
+    bad = run_cli("export", "--model", tiny["folder"], "-o", tmp_path / "x.onnx", "--opset", 17)
+    assert bad.returncode != 0 and "--opset must be 18.." in bad.stdout + bad.stderr
+    assert not (tmp_path / "x.onnx").exists()
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "mistral"])
