@@ -507,6 +507,7 @@ def main_entry() -> int:
         click = installed_click
     for signum in ENDING_SIGNALS:
         signal.signal(signum, _raise_terminated)
+    alarm = signal.signal(signal.SIGALRM, _deliver_pending) if hasattr(signal, "setitimer") else None
     sys.stdout, sys.stderr = PipeSafeStream(sys.stdout), PipeSafeStream(sys.stderr)
     try:
         code = app(standalone_mode=False)
@@ -528,6 +529,12 @@ def main_entry() -> int:
         code = ERROR_EXIT
     for signum in ENDING_SIGNALS:  # the work is done: a late signal ends the process as usual
         signal.signal(signum, signal.SIG_DFL)
+    if alarm is not None:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, alarm)
+    if _pending and not _terminated:  # it came in the last import, after the command's own work
+        _print_error(f"terminated by {signal.Signals(_pending[0]).name}")
+        code = SIGNAL_EXIT + _pending[0]
     sys.stdout.flush()
     sys.stderr.flush()
     code = code if isinstance(code, int) else 0
@@ -539,12 +546,32 @@ def main_entry() -> int:
 
 
 def _raise_terminated(signum: int, frame: Any) -> None:
-    if not _terminated:  # once: a second signal must not interrupt the clean-up of the first
-        _terminated.append(signum)
-        raise Terminated(signum)
+    if _terminated:  # once: a second signal must not interrupt the clean-up of the first
+        return
+    if _importing() and hasattr(signal, "setitimer"):
+        # Raised inside a module's import, the exception can be swallowed by it (numpy's: the
+        # command then ran on and exited 0) or leave it half made (the next import fails with an
+        # unrelated error); raised inside a C extension's call back into Python, it can abort the
+        # process. So it waits for the import to end: SIGALRM brings it back every 20 ms.
+        _pending[:] = [signum]
+        signal.setitimer(signal.ITIMER_REAL, 0.02)
+        return
+    _terminated.append(signum)
+    raise Terminated(signum)
+
+
+def _deliver_pending(_signum: int, frame: Any) -> None:
+    if _pending:
+        _raise_terminated(_pending[0], frame)
+
+
+def _importing() -> bool:
+    return any(getattr(getattr(module, "__spec__", None), "_initializing", False)
+               for module in list(sys.modules.values()))
 
 
 _terminated: List[int] = []
+_pending: List[int] = []
 
 
 class PipeSafeStream:

@@ -486,6 +486,33 @@ def test_a_signal_at_any_point_of_a_command_is_one_line_and_leaves_nothing(tmp_p
     assert target.read_bytes() == SENTINEL and [p.name for p in tmp_path.iterdir()] == ["out.json"]
 
 
+def test_a_signal_during_an_import_waits_for_the_import_to_end(monkeypatch):
+    """SIGTERM inside a module's import is held (an exception raised there was swallowed by
+    numpy's import, and the command ran on to exit 0) and delivered by SIGALRM once no import is
+    in progress."""
+    import types
+
+    from pnmix import cli
+    from pnmix.io import Terminated
+
+    monkeypatch.setattr(cli, "_terminated", [])
+    monkeypatch.setattr(cli, "_pending", [])
+    spec = types.SimpleNamespace(_initializing=True)
+    monkeypatch.setitem(sys.modules, "half_imported", types.SimpleNamespace(__spec__=spec))
+    old = signal.signal(signal.SIGALRM, signal.SIG_IGN)  # the retry timer is checked, not run
+    try:
+        cli._raise_terminated(signal.SIGTERM, None)  # held: no exception
+        assert cli._pending == [signal.SIGTERM] and signal.getitimer(signal.ITIMER_REAL)[0] > 0
+        cli._deliver_pending(signal.SIGALRM, None)  # still importing: held again
+        spec._initializing = False
+        with pytest.raises(Terminated):
+            cli._deliver_pending(signal.SIGALRM, None)
+        assert cli._terminated == [signal.SIGTERM]
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
 # ---------------------------------------------------------------------------------------
 # 5. Names and permissions of outputs
 # ---------------------------------------------------------------------------------------
