@@ -404,6 +404,7 @@ SIGNAL_DURING_WRITE = textwrap.dedent("""
     import os, signal, sys
     from pnmix import io
     real_write, signum = os.write, getattr(signal, sys.argv[1])
+    signal.signal(signum, signal.SIG_DFL)  # as a shell leaves it: ignored (nohup) the test would not test
     output = sys.argv[3] if sys.argv[2] == "api" else next(
         arg for flag, arg in zip(sys.argv, sys.argv[1:]) if flag in ("-o", "--json"))
     folder = os.path.dirname(os.path.abspath(output))
