@@ -61,10 +61,12 @@ inline int attend_threads(const pnmix_layout& L, int64_t seq_len, int available,
 
 // Multiply-adds of a call's queries against its fp16 tokens (sink, residual, new; causal), both
 // products (scores and values).
+// In double, clamped: absurd shapes must not overflow (they only ask for every thread).
 inline int64_t dense_macs(const AttendJob& job, int64_t batch) {
-  const int64_t dense = job.n.sink + job.n.residual + job.n_new;
-  const int64_t seen = dense < job.nq ? dense : job.nq;  // the chunk's own keys are causal: about half
-  return 2 * batch * job.L.kv_heads * job.group_q * (job.nq * (dense - seen) + job.nq * seen / 2) * job.L.head_dim;
+  const double dense = (double)(job.n.sink + job.n.residual + job.n_new);
+  const double seen = dense < job.nq ? dense : (double)job.nq;  // the chunk's own keys are causal: about half
+  const double macs = 2.0 * batch * job.L.kv_heads * job.group_q * job.nq * (dense - seen / 2) * job.L.head_dim;
+  return macs < 4e18 ? (int64_t)macs : (int64_t)4e18;
 }
 
 // What the integer path (attend_int8.inc) takes. Keys: codes of at most 4 bits (two products of a
