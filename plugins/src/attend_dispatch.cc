@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <exception>
+#include <string>
 #include <vector>
 
 #if defined(PNMIX_HAVE_X86_KERNELS)
@@ -146,21 +147,6 @@ ItemFn item_function(const pnmix_layout& L, const Int8Halves& int8) {
   (void)isa;
 #endif
   return attend_item_generic;
-}
-
-struct AttendRun {
-  const AttendJob* job;
-  ItemFn fn;
-  std::atomic<bool> failed{false};  // scratch allocation failed in some thread
-};
-
-void run_item(void* ctx, int64_t item) {
-  AttendRun& run = *static_cast<AttendRun*>(ctx);
-  try {
-    run.fn(*run.job, item);
-  } catch (const std::exception&) {  // never let an exception cross the C ABI or kill a worker
-    run.failed = true;
-  }
 }
 
 // Combine the splits of each (sequence, KV head) and query row: log-sum-exp of partial softmaxes.
@@ -358,24 +344,32 @@ int check_paged(const pnmix_layout& L, const pnmix_paged_state* p, int64_t seq_l
 
 }  // namespace
 
+namespace {
+
+// One sequence of a call, checked and resolved: its job and the scratch the job points into
+// (kept between calls per thread, so a decode step allocates nothing once warm).
+struct SeqRun {
+  AttendJob job;
+  std::vector<float> q32, partial;
+  std::vector<const uint8_t*> pages;
+  float* out = nullptr;
+  bool empty = false;  // nq == 0: nothing to compute
+  int64_t first_item = 0, items = 0;
+};
+
+// Check one sequence's arguments and resolve its job, all but the work split (split_run).
 // Exactly one of state (contiguous) and paged is given.
-static int attend_impl(const pnmix_layout* layout, const pnmix_state* state, const pnmix_paged_state* paged,
-                       int64_t seq_len, const void* q, int q_is_fp32, int64_t q_heads, int64_t nq, int64_t q_bytes,
-                       const uint16_t* k_new, const uint16_t* v_new, int64_t n_new, int64_t new_bytes, float* out,
-                       int64_t out_bytes, int threads, pnmix_parallel_for runner, void* runner_ctx) {
-  if (int rc = check_layout(layout)) return rc;
-  const pnmix_layout& L = *layout;
-  thread_local std::vector<const uint8_t*> group_pages;
+int prepare_run(const pnmix_layout& L, const pnmix_state* state, const pnmix_paged_state* paged, int64_t seq_len,
+                const void* q, int q_is_fp32, int64_t q_heads, int64_t nq, int64_t q_bytes, const uint16_t* k_new,
+                const uint16_t* v_new, int64_t n_new, int64_t new_bytes, float* out, int64_t out_bytes,
+                SeqRun& run) {
   if (paged) {
     if (int rc = check_seq_len(L, seq_len)) return rc;
-    if (int rc = check_paged(L, paged, seq_len, group_pages)) return rc;
+    if (int rc = check_paged(L, paged, seq_len, run.pages)) return rc;
   } else {
     if (int rc = check_state(L, state)) return rc;
     if (int rc = check_seq_len(L, seq_len)) return rc;
   }
-  if (requested_arith() == Arith::kInvalid)
-    return fail(PNMIX_ERR_CONFIG, "PNMIX_ATTEND_ARITH is '%s'; set it to fp32 or int8 (or unset it)",
-                getenv("PNMIX_ATTEND_ARITH"));
   const int64_t B = L.batch, H = L.kv_heads, D = L.head_dim;
   if (q_heads < 1 || q_heads > 65536 || q_heads % H)
     return fail(PNMIX_ERR_SIZE, "q_heads %lld must be a positive multiple of kv_heads %lld", (long long)q_heads,
@@ -398,7 +392,9 @@ static int attend_impl(const pnmix_layout* layout, const pnmix_state* state, con
   if (out_bytes != q_elems * 4)
     return fail(PNMIX_ERR_SIZE, "out buffer has %lld bytes, [B, Hq, nq, D] fp32 needs %lld", (long long)out_bytes,
                 (long long)(q_elems * 4));
-  if (nq == 0) return ok();
+  run.empty = nq == 0;
+  run.items = 0;
+  if (run.empty) return PNMIX_OK;
   if (!q || !out) return fail(PNMIX_ERR_NULL, "q or out pointer is null");
   if (n_new && (!k_new || !v_new)) return fail(PNMIX_ERR_NULL, "k_new or v_new pointer is null");
   if (((uintptr_t)q & (q_is_fp32 ? 3 : 1)) || ((uintptr_t)out & 3) || (((uintptr_t)k_new | (uintptr_t)v_new) & 1))
@@ -408,14 +404,14 @@ static int attend_impl(const pnmix_layout* layout, const pnmix_state* state, con
                                  PNMIX_ERR_STATE, "state's"))
       return rc;
 
-  thread_local std::vector<float> q32, partial;
-  if ((int64_t)q32.size() < q_elems) q32.resize(q_elems);
+  if ((int64_t)run.q32.size() < q_elems) run.q32.resize(q_elems);
   if (q_is_fp32)
-    memcpy(q32.data(), q, q_elems * 4);
+    memcpy(run.q32.data(), q, q_elems * 4);
   else
-    for (int64_t i = 0; i < q_elems; ++i) q32[i] = half_to_float(static_cast<const uint16_t*>(q)[i]);
+    for (int64_t i = 0; i < q_elems; ++i) run.q32[i] = half_to_float(static_cast<const uint16_t*>(q)[i]);
 
-  AttendJob job;
+  AttendJob& job = run.job;
+  job = AttendJob{};
   job.L = L;
   job.n = lengths(L.config, seq_len);
   job.seq_len = seq_len;
@@ -429,18 +425,7 @@ static int attend_impl(const pnmix_layout* layout, const pnmix_state* state, con
   const Int8Halves int8 = int8_halves(L);
   job.int8_keys = int8.keys;
   job.int8_values = int8.values;
-  const int nthreads = attend_threads(L, seq_len, resolve_threads(threads), runner != nullptr, dense_macs(job, B));
-  const int64_t heads = B * H;
-  const int64_t wanted = 8 * nthreads;  // enough items for dynamic balance across threads
-  int64_t splits = (wanted + heads - 1) / heads;
-  if (splits > job.n.groups) splits = job.n.groups;
-  job.splits = splits < 1 ? 1 : splits;
-  // A chunk of many queries: its rows split too (each block of rows reads every key), so that
-  // a short cache with a long chunk still fills the threads.
-  int64_t row_blocks = (wanted + heads * job.splits - 1) / (heads * job.splits);
-  if (row_blocks > job.rows / kMinRowsPerBlock) row_blocks = job.rows / kMinRowsPerBlock;
-  job.row_blocks = row_blocks < 1 ? 1 : row_blocks;
-  job.q = q32.data();
+  job.q = run.q32.data();
   if (paged) {
     job.state = StateView<false>{};
     job.state.sink_k = paged->sink_k;
@@ -448,7 +433,7 @@ static int attend_impl(const pnmix_layout* layout, const pnmix_state* state, con
     job.state.residual_k = paged->residual_k;
     job.state.residual_v = paged->residual_v;
     job.state.pair_mask = paged->pair_mask;
-    job.group_pages = group_pages.data();
+    job.group_pages = run.pages.data();
     job.head_bytes = paged->head_bytes;
     job.sections = group_sections(L);
   } else {
@@ -456,23 +441,120 @@ static int attend_impl(const pnmix_layout* layout, const pnmix_state* state, con
   }
   job.k_new = k_new;
   job.v_new = v_new;
-  const int64_t items = heads * job.splits * job.row_blocks;
-  const int64_t partial_floats = heads * job.splits * job.rows * partial_stride(job);
-  if ((int64_t)partial.size() < partial_floats) partial.resize(partial_floats);
-  job.partial = partial.data();
+  run.out = out;
+  return PNMIX_OK;
+}
 
-  AttendRun run;
-  run.job = &job;
-  run.fn = item_function(L, int8);
+// What a sequence asks of the threads, in threads' worth (attend_threads' two measures).
+double run_work(const SeqRun& run) {
+  if (run.empty) return 0.0;
+  const AttendJob& job = run.job;
+  return (double)persistent_bytes(job.L, job.seq_len) / kMinBytesPerThread +
+         (double)dense_macs(job, job.L.batch) / kMinDenseMacsPerThread;
+}
+
+// Split a sequence's work into about `wanted` items: its groups into splits (merged by
+// log-sum-exp), then, for a chunk of many queries, its rows into blocks that each read every key
+// (so a short cache with a long chunk still fills the threads).
+void split_run(SeqRun& run, int64_t wanted) {
+  AttendJob& job = run.job;
+  const int64_t heads = job.L.batch * job.L.kv_heads;
+  int64_t splits = (wanted + heads - 1) / heads;
+  if (splits > job.n.groups) splits = job.n.groups;
+  job.splits = splits < 1 ? 1 : splits;
+  int64_t row_blocks = (wanted + heads * job.splits - 1) / (heads * job.splits);
+  if (row_blocks > job.rows / kMinRowsPerBlock) row_blocks = job.rows / kMinRowsPerBlock;
+  job.row_blocks = row_blocks < 1 ? 1 : row_blocks;
+  run.items = heads * job.splits * job.row_blocks;
+  const int64_t partial_floats = heads * job.splits * job.rows * partial_stride(job);
+  if ((int64_t)run.partial.size() < partial_floats) run.partial.resize(partial_floats);
+  job.partial = run.partial.data();
+}
+
+// The work items of several sequences in one parallel-for: item i belongs to the run whose
+// [first_item, first_item + items) holds it.
+struct BatchRun {
+  SeqRun* runs;
+  int64_t count;
+  ItemFn fn;
+  std::atomic<bool> failed{false};  // scratch allocation failed in some thread
+};
+
+void run_batch_item(void* ctx, int64_t item) {
+  BatchRun& batch = *static_cast<BatchRun*>(ctx);
+  int64_t lo = 0, hi = batch.count - 1;  // the last run whose first item is <= item
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (batch.runs[mid].first_item <= item) lo = mid; else hi = mid - 1;
+  }
+  const SeqRun& run = batch.runs[lo];
+  try {
+    batch.fn(run.job, item - run.first_item);
+  } catch (const std::exception&) {  // never let an exception cross the C ABI or kill a worker
+    batch.failed = true;
+  }
+}
+
+// Split the prepared runs for `nthreads` threads (8 items per thread, shared in proportion to each
+// run's work), run every item, merge each run's splits into its output.
+int run_batch(const pnmix_layout& L, SeqRun* runs, int64_t count, int nthreads, pnmix_parallel_for runner,
+              void* runner_ctx) {
+  double total_work = 0.0;
+  int64_t live = 0;
+  for (int64_t i = 0; i < count; ++i) total_work += run_work(runs[i]), live += !runs[i].empty;
+  if (!live) return ok();
+  const int64_t wanted = 8 * (int64_t)nthreads;  // enough items for dynamic balance across threads
+  int64_t items = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    SeqRun& run = runs[i];
+    run.first_item = items;
+    if (run.empty) continue;
+    const double share = total_work > 0.0 ? run_work(run) / total_work : 1.0 / (double)live;
+    const double mine = ceil((double)wanted * share);
+    split_run(run, mine < 1.0 ? 1 : mine > (double)wanted ? wanted : (int64_t)mine);
+    items += run.items;
+  }
+  BatchRun batch;
+  batch.runs = runs;
+  batch.count = count;
+  batch.fn = item_function(L, int8_halves(L));
   if (runner && nthreads > 1) {
-    if (runner(runner_ctx, run_item, &run, items) != 0)
+    if (runner(runner_ctx, run_batch_item, &batch, items) != 0)
       return fail(PNMIX_ERR_INTERNAL, "the caller's parallel-for did not run the attention's work items");
   } else {
-    parallel_for(nthreads, items, run_item, &run);
+    parallel_for(nthreads, items, run_batch_item, &batch);
   }
-  if (run.failed) return fail(PNMIX_ERR_INTERNAL, "out of memory for the attention scratch");
-  merge_splits(job, out);
+  if (batch.failed) return fail(PNMIX_ERR_INTERNAL, "out of memory for the attention scratch");
+  for (int64_t i = 0; i < count; ++i)
+    if (!runs[i].empty) merge_splits(runs[i].job, runs[i].out);
   return ok();
+}
+
+int check_arith() {
+  if (requested_arith() == Arith::kInvalid)
+    return fail(PNMIX_ERR_CONFIG, "PNMIX_ATTEND_ARITH is '%s'; set it to fp32 or int8 (or unset it)",
+                getenv("PNMIX_ATTEND_ARITH"));
+  return PNMIX_OK;
+}
+
+}  // namespace
+
+// Exactly one of state (contiguous) and paged is given.
+static int attend_impl(const pnmix_layout* layout, const pnmix_state* state, const pnmix_paged_state* paged,
+                       int64_t seq_len, const void* q, int q_is_fp32, int64_t q_heads, int64_t nq, int64_t q_bytes,
+                       const uint16_t* k_new, const uint16_t* v_new, int64_t n_new, int64_t new_bytes, float* out,
+                       int64_t out_bytes, int threads, pnmix_parallel_for runner, void* runner_ctx) {
+  if (int rc = check_layout(layout)) return rc;
+  if (int rc = check_arith()) return rc;
+  const pnmix_layout& L = *layout;
+  thread_local SeqRun run;
+  if (int rc = prepare_run(L, state, paged, seq_len, q, q_is_fp32, q_heads, nq, q_bytes, k_new, v_new, n_new,
+                           new_bytes, out, out_bytes, run))
+    return rc;
+  if (run.empty) return ok();
+  const int nthreads =
+      attend_threads(L, seq_len, resolve_threads(threads), runner != nullptr, dense_macs(run.job, L.batch));
+  return run_batch(L, &run, 1, nthreads, runner, runner_ctx);
 }
 
 int pnmix_attend(const pnmix_layout* layout, const pnmix_state* state, int64_t seq_len, const void* q,
@@ -503,6 +585,36 @@ int pnmix_attend_paged(const pnmix_layout* layout, const pnmix_paged_state* page
     if (!paged) return fail(PNMIX_ERR_NULL, "paged state pointer is null");
     return attend_impl(layout, nullptr, paged, seq_len, q, q_is_fp32, q_heads, nq, q_bytes, k_new, v_new, n_new,
                        new_bytes, out, out_bytes, threads, nullptr, nullptr);
+  } catch (const std::exception& e) {
+    return fail(PNMIX_ERR_INTERNAL, "attention failed: %s", e.what());
+  }
+}
+
+int pnmix_attend_paged_batch(const pnmix_layout* layout, const pnmix_paged_sequence* seqs, int64_t count,
+                             int q_is_fp32, int64_t q_heads, int threads) {
+  try {
+    if (int rc = check_layout(layout)) return rc;
+    if (int rc = check_arith()) return rc;
+    if (count < 0 || count > ((int64_t)1 << 20))
+      return fail(PNMIX_ERR_SIZE, "sequence count must be in 0..2^20, got %lld", (long long)count);
+    if (count && !seqs) return fail(PNMIX_ERR_NULL, "sequences pointer is null");
+    const pnmix_layout& L = *layout;
+    thread_local std::vector<SeqRun> runs;
+    if ((int64_t)runs.size() < count) runs.resize(count);
+    double work = 0.0;
+    for (int64_t i = 0; i < count; ++i) {
+      const pnmix_paged_sequence& s = seqs[i];
+      if (int rc = prepare_run(L, nullptr, &s.paged, s.seq_len, s.q, q_is_fp32, q_heads, s.nq, s.q_bytes, s.k_new,
+                               s.v_new, s.n_new, s.new_bytes, s.out, s.out_bytes, runs[i])) {
+        const std::string why = abi::last_error();  // the sequence's own message, named by its index
+        return fail(rc, "sequence %lld: %s", (long long)i, why.c_str());
+      }
+      work += run_work(runs[i]);
+    }
+    // attend_threads' measure summed over the batch: one thread per that much work
+    const int available = resolve_threads(threads);
+    const int nthreads = work < 1.0 ? 1 : work < (double)available ? (int)work : available;
+    return run_batch(L, runs.data(), count, nthreads, nullptr, nullptr);
   } catch (const std::exception& e) {
     return fail(PNMIX_ERR_INTERNAL, "attention failed: %s", e.what());
   }

@@ -74,6 +74,19 @@ int64_t pnmix_core_struct_offset(const char* type, const char* field) {
     PNMIX_FIELD(pnmix_paged_state, sink_bytes)
     PNMIX_FIELD(pnmix_paged_state, residual_bytes)
     PNMIX_FIELD(pnmix_paged_state, mask_bytes)
+  } else if (!strcmp(type, "pnmix_paged_sequence")) {
+    if (whole) return (int64_t)sizeof(pnmix_paged_sequence);
+    PNMIX_FIELD(pnmix_paged_sequence, paged)
+    PNMIX_FIELD(pnmix_paged_sequence, seq_len)
+    PNMIX_FIELD(pnmix_paged_sequence, q)
+    PNMIX_FIELD(pnmix_paged_sequence, nq)
+    PNMIX_FIELD(pnmix_paged_sequence, q_bytes)
+    PNMIX_FIELD(pnmix_paged_sequence, k_new)
+    PNMIX_FIELD(pnmix_paged_sequence, v_new)
+    PNMIX_FIELD(pnmix_paged_sequence, n_new)
+    PNMIX_FIELD(pnmix_paged_sequence, new_bytes)
+    PNMIX_FIELD(pnmix_paged_sequence, out)
+    PNMIX_FIELD(pnmix_paged_sequence, out_bytes)
   }
 #undef PNMIX_FIELD
   return -1;

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import time
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -17,11 +17,11 @@ from ..cache import CacheOps, check_new_kv, check_queries
 from ..errors import PnMixError
 from ..format import STATE_DTYPES, STATE_NAMES, CacheLayout
 from . import native
-from .native import (INT as _INT, I64 as _I64, PTR as _PTR, CConfig, CLayout, CPagedState, CState, c_layout,
+from .native import (INT as _INT, I64 as _I64, PTR as _PTR, CConfig, CLayout, CPagedSequence, CPagedState, CState, c_layout,
                      nbytes as _nbytes, ptr as _ptr)
 
 LIBRARY = "pnmix_core"
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 _SIGNATURES: native.Signatures = {
     "pnmix_core_abi_version": ([], _INT),
@@ -33,6 +33,7 @@ _SIGNATURES: native.Signatures = {
     "pnmix_attend": ([_PTR, _PTR, _I64, _PTR, _INT, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _INT], _INT),
     "pnmix_attend_paged": ([_PTR, _PTR, _I64, _PTR, _INT, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _INT],
                            _INT),
+    "pnmix_attend_paged_batch": ([_PTR, _PTR, _I64, _INT, _I64, _INT], _INT),
     "pnmix_group_sections": ([_PTR, _PTR, _PTR], _INT),
     "pnmix_attend_isa": ([], ctypes.c_char_p),
     "pnmix_set_attend_isa": ([ctypes.c_char_p], _INT),
@@ -47,7 +48,7 @@ _SIGNATURES: native.Signatures = {
     "pnmix_dump_header": ([_PTR, _I64, _PTR, _PTR], _INT),
     "pnmix_dump_read": ([_PTR, _I64, _PTR, _PTR, _PTR], _INT),
 }
-__all__ = ["CConfig", "CLayout", "CPagedState", "CState", "CoreOps", "c_layout", "c_state", "check", "core_library",
+__all__ = ["CConfig", "CLayout", "CPagedSequence", "CPagedState", "CState", "CoreOps", "c_layout", "c_state", "check", "core_library",
            "dump_state", "group_sections", "load_state"]
 
 # The tensors of a paged sequence's slot (pnmix_paged_state): everything but the group tensors.
@@ -78,6 +79,33 @@ def _fp16(t: torch.Tensor, what: str) -> torch.Tensor:
     if t.device.type != "cpu":
         raise PnMixError(f"the core backend needs CPU tensors; {what} is on {t.device}")
     return t.to(torch.float16).contiguous()
+
+
+def _paged_pages(layout: CacheLayout, pages: torch.Tensor, block_size: int) -> CPagedState:
+    """A paged state with the layer's pages filled in (checked): uint8 [num_blocks, H, head_bytes]."""
+    if pages.device.type != "cpu":
+        raise PnMixError(f"the core backend needs CPU tensors; pages is on {pages.device}")
+    if pages.dtype != torch.uint8 or pages.dim() != 3 or pages.shape[1] != layout.kv_heads or pages.stride(2) != 1:
+        raise PnMixError(f"pages must be uint8 [num_blocks, kv_heads={layout.kv_heads}, head_bytes] with dense "
+                         f"rows, got {pages.dtype} {list(pages.shape)} strides {list(pages.stride())}")
+    return CPagedState(pages=_ptr(pages), num_blocks=pages.shape[0], page_bytes=pages.stride(0),
+                       head_bytes=pages.stride(1), block_size=block_size)
+
+
+def _check_block_ids(table: torch.Tensor, dims: int) -> None:
+    """A block table: int32 or int64 ids, ``dims``-D, its (last) dimension dense, on the CPU."""
+    if table.device.type != "cpu":
+        raise PnMixError(f"the core backend needs CPU tensors; the block table is on {table.device}")
+    if table.dtype not in (torch.int32, torch.int64) or table.dim() != dims or (
+            table.shape[-1] > 1 and table.stride(-1) != 1):
+        raise PnMixError(f"block table must be a {dims}-D int32 or int64 tensor with dense rows, got {table.dtype} "
+                         f"{list(table.shape)}")
+
+
+def _check_slot_tensor(name: str, part: torch.Tensor) -> None:
+    if part.device.type != "cpu" or part.dtype != STATE_DTYPES[name] or not part.is_contiguous():
+        raise PnMixError(f"slot tensor '{name}' must be a contiguous CPU {STATE_DTYPES[name]} tensor, "
+                         f"got {part.dtype} on {part.device}")
 
 
 class CoreOps(CacheOps):
@@ -128,26 +156,16 @@ class CoreOps(CacheOps):
         or int64, 1-D), slot the sequence's sink_k, sink_v, residual_k, residual_v and pair_mask as
         batch-1 state tensors. Equals attend over the gathered state, bit for bit."""
         check_queries(layout, seq_len, q, k_new, v_new)
-        for name, t in (("q", q), ("pages", pages), ("block_table", block_table)):
-            if t.device.type != "cpu":
-                raise PnMixError(f"the core backend needs CPU tensors; {name} is on {t.device}")
-        if pages.dtype != torch.uint8 or pages.dim() != 3 or pages.shape[1] != layout.kv_heads or pages.stride(2) != 1:
-            raise PnMixError(f"pages must be uint8 [num_blocks, kv_heads={layout.kv_heads}, head_bytes] with dense "
-                             f"rows, got {pages.dtype} {list(pages.shape)} strides {list(pages.stride())}")
-        if block_table.dtype not in (torch.int32, torch.int64) or block_table.dim() != 1 or (
-                block_table.numel() > 1 and block_table.stride(0) != 1):
-            raise PnMixError(f"block_table must be a dense 1-D int32 or int64 tensor, got {block_table.dtype} "
-                             f"{list(block_table.shape)}")
-        c = CPagedState(pages=_ptr(pages), num_blocks=pages.shape[0], page_bytes=pages.stride(0),
-                        head_bytes=pages.stride(1), block_size=block_size, block_table=_ptr(block_table),
-                        table_blocks=block_table.numel(), block_id_bytes=block_table.element_size())
+        if q.device.type != "cpu":
+            raise PnMixError(f"the core backend needs CPU tensors; q is on {q.device}")
+        c = _paged_pages(layout, pages, block_size)
+        _check_block_ids(block_table, 1)
+        c.block_table, c.table_blocks, c.block_id_bytes = _ptr(block_table), block_table.numel(), block_table.element_size()
         for name in SLOT_TENSORS:
             part = slot.get(name)
             if part is None:
                 raise PnMixError(f"the paged slot is missing tensor '{name}'")
-            if part.device.type != "cpu" or part.dtype != STATE_DTYPES[name] or not part.is_contiguous():
-                raise PnMixError(f"slot tensor '{name}' must be a contiguous CPU {STATE_DTYPES[name]} tensor, "
-                                 f"got {part.dtype} on {part.device}")
+            _check_slot_tensor(name, part)
             setattr(c, name, _ptr(part))
         c.sink_bytes, c.residual_bytes = _nbytes(slot["sink_k"]), _nbytes(slot["residual_k"])
         c.mask_bytes = _nbytes(slot["pair_mask"])
@@ -167,6 +185,75 @@ class CoreOps(CacheOps):
         check(self.lib, self.lib.pnmix_attend_paged(
             ctypes.byref(lay), ctypes.byref(c), seq_len, _ptr(q), int(is_fp32), q_heads, nq, _nbytes(q),
             _ptr(k_new), _ptr(v_new), n_new, _nbytes(k_new), _ptr(out), _nbytes(out), self.threads))
+        return out
+
+    def attend_paged_batch(self, q: torch.Tensor, layout: CacheLayout, pages: torch.Tensor,
+                           block_tables: torch.Tensor, block_size: int, slots: Dict[str, torch.Tensor],
+                           slot_ids: Sequence[int], seq_lens: Sequence[int], k_new: torch.Tensor,
+                           v_new: torch.Tensor) -> torch.Tensor:
+        """A decode step of N sequences in one call (pnmix_attend_paged_batch): sequence i holds
+        seq_lens[i] tokens, its groups in ``pages`` through block_tables[i] (int32 or int64
+        [N, max_blocks], rows dense), its sink, residual and pair mask in slot slot_ids[i] of
+        ``slots`` (each tensor [num_slots, ...], a slot being a batch-1 state tensor, as
+        pnmix.vllm.paged keeps them); its one query q[i] [Hq, D] attends over the cache and then its
+        new token k_new[i], v_new[i] [H, D]. layout: batch 1, max_seq_len at least every seq_len.
+        Returns fp32 [N, Hq, D]; row i equals attend_paged's for sequence i up to the order in which
+        the kernel's splits are merged (the split follows the whole batch's work)."""
+        n, h, d = len(seq_lens), layout.kv_heads, layout.head_dim
+        if layout.batch != 1:
+            raise PnMixError(f"a batched paged attention takes a batch-1 layout, got batch {layout.batch}")
+        if q.dim() != 3 or q.shape[0] != n or q.shape[2] != d or q.shape[1] % h:
+            raise PnMixError(f"queries must be [sequences={n}, q_heads (a multiple of {h}), head_dim={d}], "
+                             f"got {list(q.shape)}")
+        for name, t in (("k_new", k_new), ("v_new", v_new)):
+            if t.dim() != 3 or list(t.shape) != [n, h, d]:
+                raise PnMixError(f"{name} must be [sequences={n}, kv_heads={h}, head_dim={d}], got {list(t.shape)}")
+        if len(slot_ids) != n:
+            raise PnMixError(f"{len(slot_ids)} slot ids for {n} sequences")
+        for name, t in (("q", q), ("block_tables", block_tables)):
+            if t.device.type != "cpu":
+                raise PnMixError(f"the core backend needs CPU tensors; {name} is on {t.device}")
+        template = _paged_pages(layout, pages, block_size)
+        _check_block_ids(block_tables, 2)
+        if block_tables.shape[0] != n:
+            raise PnMixError(f"block_tables has {block_tables.shape[0]} rows for {n} sequences")
+        for name in SLOT_TENSORS:
+            part = slots.get(name)
+            if part is None:
+                raise PnMixError(f"the paged slots are missing tensor '{name}'")
+            _check_slot_tensor(name, part)
+            if part.dim() < 1 or part.shape[0] != slots["sink_k"].shape[0]:
+                raise PnMixError(f"slot tensor '{name}' must have the slots as its first dimension")
+        num_slots = slots["sink_k"].shape[0]
+        bad = [s for s in slot_ids if not 0 <= s < num_slots]
+        if bad:
+            raise PnMixError(f"slot id {bad[0]} outside 0..{num_slots - 1}")
+        is_fp32 = q.dtype != torch.float16
+        q = (q.float() if is_fp32 else q).contiguous()
+        k16, v16 = _fp16(k_new, "k_new"), _fp16(v_new, "v_new")
+        out = torch.empty(n, q.shape[1], d, dtype=torch.float32)
+        seqs = (CPagedSequence * n)()
+        slot_base = {name: (slots[name].data_ptr(), _nbytes(slots[name]) // num_slots) for name in SLOT_TENSORS}
+        template.sink_bytes, template.residual_bytes = slot_base["sink_k"][1], slot_base["residual_k"][1]
+        template.mask_bytes = slot_base["pair_mask"][1]
+        template.table_blocks, template.block_id_bytes = block_tables.shape[1], block_tables.element_size()
+        table_row, table_base = block_tables.stride(0) * block_tables.element_size(), block_tables.data_ptr()
+        q_row, kv_row, out_row = _nbytes(q[0]), _nbytes(k16[0]), _nbytes(out[0])
+        q_base, k_base, v_base, out_base = q.data_ptr(), k16.data_ptr(), v16.data_ptr(), out.data_ptr()
+        for i, (slot, seq_len) in enumerate(zip(slot_ids, seq_lens)):
+            seq = seqs[i]
+            seq.paged = template
+            seq.paged.block_table = table_base + i * table_row
+            for name in SLOT_TENSORS:
+                base, size = slot_base[name]
+                setattr(seq.paged, name, base + slot * size)
+            seq.seq_len, seq.nq, seq.n_new = seq_len, 1, 1
+            seq.q, seq.q_bytes = q_base + i * q_row, q_row
+            seq.k_new, seq.v_new, seq.new_bytes = k_base + i * kv_row, v_base + i * kv_row, kv_row
+            seq.out, seq.out_bytes = out_base + i * out_row, out_row
+        lay = c_layout(layout)
+        check(self.lib, self.lib.pnmix_attend_paged_batch(ctypes.byref(lay), seqs, n, int(is_fp32), q.shape[1],
+                                                          self.threads))
         return out
 
     # ---- extras: the kernel in use, and the .pnkv dump through the C decoder ----------------

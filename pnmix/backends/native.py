@@ -49,6 +49,13 @@ class CPagedState(ctypes.Structure):
                 ("sink_bytes", I64), ("residual_bytes", I64), ("mask_bytes", I64)]
 
 
+class CPagedSequence(ctypes.Structure):
+    """pnmix_paged_sequence (pnmix_core.h): one sequence of a batched paged attention."""
+
+    _fields_ = [("paged", CPagedState), ("seq_len", I64), ("q", PTR), ("nq", I64), ("q_bytes", I64),
+                ("k_new", PTR), ("v_new", PTR), ("n_new", I64), ("new_bytes", I64), ("out", PTR), ("out_bytes", I64)]
+
+
 Signatures = Mapping[str, Tuple[Sequence, object]]
 
 

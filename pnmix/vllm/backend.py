@@ -14,7 +14,7 @@ Attention comes before the append (``forward_includes_kv_cache_update``), as the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, List, Optional, Tuple
 
 import torch
@@ -86,11 +86,36 @@ class PnMixAttentionBackend(AttentionBackend):
 
 
 @dataclass
+class DecodeRows:
+    """The step's sequences that decode one token over a cache they already hold: attended in one
+    core call and appended together (PagedLayerCache.attend_decode, append_decode)."""
+
+    tokens: torch.Tensor        # int64 [N]: each one's query token
+    block_table: torch.Tensor   # [N, max_blocks]
+    slots: List[int]
+    seq_lens: List[int]         # tokens cached before this step
+
+
+@dataclass
 class PnMixMetadata:
     num_actual_tokens: int
     rows: List[Tuple[int, int, int]]  # (first query token, query tokens, tokens cached before)
     slots: List[int]
     block_table: torch.Tensor  # [num_reqs, max_blocks]
+    decode: Optional[DecodeRows] = None
+    others: List[int] = field(default_factory=list)  # the rows that are not decode's: first and later chunks
+
+
+def split_decode(rows: List[Tuple[int, int, int]], slots: List[int], table: torch.Tensor):
+    """(DecodeRows or None, the other rows' indices): one-token rows over a cache apart."""
+    decode = [i for i, (_, n, cached) in enumerate(rows) if n == 1 and cached > 0]
+    others = [i for i in range(len(rows)) if i not in set(decode)]
+    if not decode:
+        return None, others
+    index = torch.tensor(decode, dtype=torch.long)
+    return DecodeRows(tokens=torch.tensor([rows[i][0] for i in decode], dtype=torch.long),
+                      block_table=table.index_select(0, index.to(table.device)),
+                      slots=[slots[i] for i in decode], seq_lens=[rows[i][2] for i in decode]), others
 
 
 class PnMixMetadataBuilder(AttentionMetadataBuilder[PnMixMetadata]):
@@ -112,7 +137,9 @@ class PnMixMetadataBuilder(AttentionMetadataBuilder[PnMixMetadata]):
                      for i, (_, _, cached) in enumerate(rows)]
         except PnMixError as exc:
             raise _fail(exc) from None
-        return PnMixMetadata(num_actual_tokens=cam.num_actual_tokens, rows=rows, slots=slots, block_table=table)
+        decode, others = split_decode(rows, slots, table)
+        return PnMixMetadata(num_actual_tokens=cam.num_actual_tokens, rows=rows, slots=slots, block_table=table,
+                             decode=decode, others=others)
 
 
 class PnMixAttentionImpl(AttentionImpl[PnMixMetadata]):
@@ -150,7 +177,16 @@ class PnMixAttentionImpl(AttentionImpl[PnMixMetadata]):
         if attn_metadata is None:  # the profiling run
             return output
         pages = kv_cache.view(kv_cache.shape[0], self.num_kv_heads, self.pages.head_page_bytes)
-        for row, ((start, n, cached), slot) in enumerate(zip(attn_metadata.rows, attn_metadata.slots)):
+        decode = attn_metadata.decode
+        if decode is not None:  # the decode tokens: one core call, one append, for all of them
+            q, k, v = query.index_select(0, decode.tokens), key.index_select(0, decode.tokens), \
+                value.index_select(0, decode.tokens)
+            out = self.cache.attend_decode(pages, decode.block_table, decode.slots, decode.seq_lens, q, k, v,
+                                           self.scale)
+            output.index_copy_(0, decode.tokens, out.to(output.dtype))
+            self.cache.append_decode(pages, decode.block_table, decode.slots, decode.seq_lens, k, v)
+        for row in attn_metadata.others:
+            (start, n, cached), slot = attn_metadata.rows[row], attn_metadata.slots[row]
             q, k, v = query[start:start + n], key[start:start + n], value[start:start + n]
             table = attn_metadata.block_table[row]
             k_h, v_h = k.transpose(0, 1), v.transpose(0, 1)  # [H, n, D]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -181,6 +181,7 @@ class PagedLayerCache:
         self.residual_k = torch.zeros(slots, h, cfg.residual_size, d, dtype=torch.float16, device=device)
         self.residual_v = torch.zeros_like(self.residual_k)
         self.pair_mask = torch.zeros(slots, pages.layout.mask_bytes, dtype=torch.uint8, device=device)
+        self._schedule = pages.layout  # its lengths(n): the flush schedule (config only)
 
     # ---- append: sink, residual, and full groups flushed into their pages ----------------------
     def append(self, kv_pages: torch.Tensor, block_table: torch.Tensor, slot: int, seq_len: int,
@@ -208,6 +209,28 @@ class PagedLayerCache:
         rest = flushed * cfg.group_size
         self.residual_k[slot, :, :after.residual] = stream_k[:, rest:]
         self.residual_v[slot, :, :after.residual] = stream_v[:, rest:]
+
+    def append_decode(self, kv_pages: torch.Tensor, block_tables: torch.Tensor, slots: Sequence[int],
+                      seq_lens: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append one token to each of N sequences (a decode step): k/v [N, H, D]; sequence i in slot
+        slots[i] holds seq_lens[i] tokens, its block ids in block_tables[i]. A token that only
+        lengthens its residual (most steps) is written with the others in one indexed copy; one that
+        goes to the sink or completes a group takes append's path."""
+        k16, v16 = k.to(torch.float16), v.to(torch.float16)
+        plain, positions = [], []
+        for i, seq_len in enumerate(seq_lens):
+            before, after = self._schedule.lengths(seq_len), self._schedule.lengths(seq_len + 1)
+            if after.sink == before.sink and after.groups == before.groups:
+                plain.append(i)
+                positions.append(before.residual)
+            else:
+                self.append(kv_pages, block_tables[i], slots[i], seq_len, k16[i, :, None], v16[i, :, None])
+        if plain:
+            rows = torch.tensor(plain, dtype=torch.long)
+            at_slot = torch.tensor([slots[i] for i in plain], dtype=torch.long)
+            at = torch.tensor(positions, dtype=torch.long)
+            self.residual_k[at_slot, :, at] = k16.index_select(0, rows)
+            self.residual_v[at_slot, :, at] = v16.index_select(0, rows)
 
     def _flush(self, kv_pages, block_table, slot, first, stream_k, stream_v, count, lay) -> None:
         """Quantize ``count`` groups (the stream's first tokens) into their pages: the bytes are the
@@ -307,6 +330,28 @@ class PagedLayerCache:
             else:
                 out = self.ops.attend(q4, lay, state, seq_len, k16, v16)
         return out[0].transpose(0, 1)
+
+
+    def attend_decode(self, kv_pages: torch.Tensor, block_tables: torch.Tensor, slots: Sequence[int],
+                      seq_lens: Sequence[int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+        """A decode step of N sequences: q [N, Hq, D] (one query each) over sequence i's cache as
+        stored (slot slots[i], seq_lens[i] tokens, blocks block_tables[i]) then its new k/v [N, H, D]
+        -> fp32 [N, Hq, D]. With the C core as ops, one call for the whole step
+        (CoreOps.attend_paged_batch: the work of every sequence shared by the threads, the pages
+        read in place); other ops take each sequence on its own (attend)."""
+        batch = getattr(self.ops, "attend_paged_batch", None)
+        if batch is None:
+            return torch.stack([self.attend(kv_pages, block_tables[i], slot, seq_len, q[i:i + 1], k[i, :, None],
+                                             v[i, :, None], scale)[0]
+                                for i, (slot, seq_len) in enumerate(zip(slots, seq_lens))])
+        ratio = scale * math.sqrt(self.pages.head_dim)
+        if not math.isclose(ratio, 1.0, rel_tol=1e-6):
+            q = q * ratio
+        slot_tensors = dict(sink_k=self.sink_k, sink_v=self.sink_v, residual_k=self.residual_k,
+                            residual_v=self.residual_v, pair_mask=self.pair_mask)
+        return batch(q.to(torch.float16), self.layout_at(max(seq_lens) + 1), kv_pages, block_tables,
+                     self.pages.block_size, slot_tensors, slots, seq_lens, k, v)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -66,7 +66,8 @@ def test_ctypes_structs_match_the_compiled_c_structs():
     lib = core_ops.core_library()
     assert [name for name, _ in core_ops.CConfig._fields_] == list(CONFIG_FIELDS)
     for struct, c_name in ((core_ops.CConfig, b"pnmix_config"), (core_ops.CLayout, b"pnmix_layout"),
-                           (core_ops.CState, b"pnmix_state"), (core_ops.CPagedState, b"pnmix_paged_state")):
+                           (core_ops.CState, b"pnmix_state"), (core_ops.CPagedState, b"pnmix_paged_state"),
+                           (core_ops.CPagedSequence, b"pnmix_paged_sequence")):
         assert lib.pnmix_core_struct_offset(c_name, None) == ctypes.sizeof(struct), c_name
         for name, _ in struct._fields_:
             assert lib.pnmix_core_struct_offset(c_name, name.encode()) == getattr(struct, name).offset, (c_name, name)

@@ -17,6 +17,7 @@ from pnmix.vllm.paged import GROUP_TENSORS, PagedLayerCache, PageLayout, SlotTab
 SMALL = PnMixConfig(pair_layout="half", group_size=16, residual_size=24, sink_tokens=5, value_group_size=8,
                     key_high_bits=4, key_low_bits=2, value_bits=2, high_ratio=0.25)
 HF_DEFAULT = PnMixConfig(pair_layout="half")  # PnMixCache's default: the manifest's values, rotate_half pairs
+INT8_TOLERANCE = 0.05  # the integer path's error on these caches (tests/backends/test_core.py)
 
 
 def make_ops(name):
@@ -210,6 +211,83 @@ def test_paged_attention_equals_the_core_over_the_gathered_state(core_arith, tot
     paged.ops = ops
     got = paged.attend(kv_pages, table, 1, total, q[0].transpose(0, 1), k_new, v_new, 1.0 / math.sqrt(64))
     assert torch.equal(got, want[0].transpose(0, 1))
+
+
+def filled_batch(totals, num_blocks: int = 160, seed: int = 9):
+    """Several SmolLM2-shaped sequences in one layer's pages: sequence i holds totals[i] tokens in
+    slot i + 1 (slot 0 left empty), its blocks drawn from one shuffled pool; the block tables as
+    one [N, max_blocks] tensor (rows padded with block 0, which no group reads); one more token each."""
+    pages = PageLayout(HF_DEFAULT, 3, 64, HF_DEFAULT.group_size)
+    pool = shuffled_blocks(num_blocks, num_blocks, seed)
+    kv_pages = torch.randint(0, 256, (num_blocks, 3, pages.head_page_bytes), dtype=torch.uint8,
+                             generator=torch.Generator().manual_seed(seed))
+    paged = PagedLayerCache(pages, slots=len(totals) + 1)
+    width = max(pages.blocks_for(total + 1) for total in totals)
+    tables = torch.zeros(len(totals), width, dtype=torch.int64)
+    gen = torch.Generator().manual_seed(seed + 1)
+    k_new, v_new, at = [], [], 0
+    for i, total in enumerate(totals):
+        need = pages.blocks_for(total + 1)
+        tables[i, :need] = pool[at:at + need]
+        at += need
+        k = (torch.randn(3, total + 1, 64, generator=gen) * 2).half()
+        v = torch.randn(3, total + 1, 64, generator=gen).half()
+        paged.append(kv_pages, tables[i], i + 1, 0, k[:, :total], v[:, :total])
+        k_new.append(k[:, total])
+        v_new.append(v[:, total])
+    return paged, kv_pages, tables, torch.stack(k_new), torch.stack(v_new)
+
+
+SLOT_NAMES = ("sink_k", "sink_v", "residual_k", "residual_v", "pair_mask")
+
+
+def batch_attend(ops, paged, kv_pages, tables, totals, q, k_new, v_new, slot_ids=None):
+    lay = paged.layout_at(max(totals) + 1)
+    slots = {name: getattr(paged, name) for name in SLOT_NAMES}
+    ids = list(range(1, len(totals) + 1)) if slot_ids is None else slot_ids
+    return ops.attend_paged_batch(q, lay, kv_pages, tables, 128, slots, ids, totals, k_new, v_new)
+
+
+# a sequence in its sink, one with no group yet, several with groups; a decode step of each
+@pytest.mark.parametrize("totals", [[4096], [3, 100, 165, 1000, 4096, 700, 129]])
+def test_a_batched_decode_step_equals_each_sequences_own_call(core_arith, totals):
+    ops = core_arith
+    paged, kv_pages, tables, k_new, v_new = filled_batch(totals)
+    q = torch.randn(len(totals), 9, 64, generator=torch.Generator().manual_seed(3)).half()
+    got = batch_attend(ops, paged, kv_pages, tables, totals, q, k_new, v_new)
+    assert got.shape == (len(totals), 9, 64) and got.dtype == torch.float32
+    for i, total in enumerate(totals):
+        want = ops.attend_paged(q[i, :, None][None], paged.layout_at(total + 1), kv_pages, tables[i], 128,
+                                paged.slot_state(i + 1), total, k_new[i, :, None][None], v_new[i, :, None][None])
+        if len(totals) == 1:  # one sequence: the same split as its own call, so the same bits
+            assert torch.equal(got[i], want[0, :, 0]), total
+        elif ops.arith() == "fp32":  # the batch splits each sequence's groups by its share: fp32 sums in another order
+            torch.testing.assert_close(got[i], want[0, :, 0], rtol=1e-5, atol=1e-5)
+        else:  # the integer path quantizes its weights per split: its own error, per split
+            assert (got[i] - want[0, :, 0]).abs().max().item() <= INT8_TOLERANCE, total
+    # the int32 tables an engine hands (vLLM's block_table tensor) read the same blocks
+    assert torch.equal(batch_attend(ops, paged, kv_pages, tables.to(torch.int32), totals, q, k_new, v_new), got)
+
+
+def test_a_batched_decode_step_refuses_bad_input_naming_the_sequence():
+    ops = make_ops("core")
+    totals = [700, 300, 1000]
+    paged, kv_pages, tables, k_new, v_new = filled_batch(totals)
+    q = torch.randn(3, 9, 64).half()
+    bad = tables.clone()
+    bad[2, paged.pages.block_of_group(2)] = kv_pages.shape[0]
+    cases = [
+        (dict(tables=bad), "sequence 2: block table entry 3 \\(group 2\\) is block 160, outside 0..159"),
+        (dict(tables=tables[:, :2]), "sequence 0: the block table has 2 blocks, 700 tokens need 6"),
+        (dict(tables=tables[:2]), "block_tables has 2 rows for 3 sequences"),
+        (dict(slot_ids=[1, 2, 9]), "slot id 9 outside 0..3"),
+        (dict(q=q[:, :4]), "queries must be \\[sequences=3, q_heads \\(a multiple of 3\\), head_dim=64\\]"),
+    ]
+    for kwargs, message in cases:
+        args = {"tables": tables, "q": q, "slot_ids": None, **kwargs}
+        with pytest.raises(PnMixError, match=message) as info:
+            batch_attend(ops, paged, kv_pages, args["tables"], totals, args["q"], k_new, v_new, args["slot_ids"])
+        assert "\n" not in str(info.value)
 
 
 def test_paged_attention_bad_inputs_are_one_line_errors():

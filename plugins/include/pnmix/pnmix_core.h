@@ -19,8 +19,9 @@
 extern "C" {
 #endif
 
-#define PNMIX_CORE_ABI_VERSION 6 /* 3: pnmix_core_struct_offset; 4: pnmix_attend_on; 5: pnmix_set_attend_arith; \
-                                    6: pnmix_paged_state, pnmix_attend_paged, pnmix_group_sections */
+#define PNMIX_CORE_ABI_VERSION 7 /* 3: pnmix_core_struct_offset; 4: pnmix_attend_on; 5: pnmix_set_attend_arith; \
+                                    6: pnmix_paged_state, pnmix_attend_paged, pnmix_group_sections; \
+                                    7: pnmix_paged_sequence, pnmix_attend_paged_batch */
 
 #if defined(_WIN32)
 #define PNMIX_API
@@ -54,7 +55,7 @@ PNMIX_API const char* pnmix_last_error(void);
 PNMIX_API int64_t pnmix_core_limit(const char* name);
 
 /* The compiled layout of the ABI's structs: offsetof(type, field) for a field of "pnmix_config",
- * "pnmix_layout", "pnmix_state" or "pnmix_paged_state", sizeof(type) when field is null or ""; -1 for an unknown name.
+ * "pnmix_layout", "pnmix_state", "pnmix_paged_state" or "pnmix_paged_sequence", sizeof(type) when field is null or ""; -1 for an unknown name.
  * Lets a binding (pnmix/backends/native.py) check its mirror against what the compiler made. */
 PNMIX_API int64_t pnmix_core_struct_offset(const char* type, const char* field);
 
@@ -74,7 +75,8 @@ PNMIX_API int pnmix_append(const pnmix_layout* layout, pnmix_state* state, int64
 /* Attention of q [B, Hq, nq, D] (fp16 bits if q_is_fp32 == 0, else fp32) over the cache of seq_len
  * tokens followed by n_new fp16 tokens k_new/v_new [B, H, n_new, D] (may be null when n_new == 0).
  * The queries are the last nq of the seq_len + n_new positions (causal); GQA head h reads KV
- * head h / (Hq / H); scale 1/sqrt(D); out fp32 [B, Hq, nq, D]. threads <= 0: all cores. */
+ * head h / (Hq / H); scale 1/sqrt(D); out fp32 [B, Hq, nq, D]. threads <= 0: every core the
+ * calling thread may run on (its affinity mask: a pinned engine worker gets its own cores). */
 PNMIX_API int pnmix_attend(const pnmix_layout* layout, const pnmix_state* state, int64_t seq_len, const void* q,
                  int q_is_fp32, int64_t q_heads, int64_t nq, int64_t q_bytes, const uint16_t* k_new,
                  const uint16_t* v_new, int64_t n_new, int64_t new_bytes, float* out, int64_t out_bytes,
@@ -114,6 +116,29 @@ PNMIX_API int pnmix_attend_paged(const pnmix_layout* layout, const pnmix_paged_s
                        const void* q, int q_is_fp32, int64_t q_heads, int64_t nq, int64_t q_bytes,
                        const uint16_t* k_new, const uint16_t* v_new, int64_t n_new, int64_t new_bytes, float* out,
                        int64_t out_bytes, int threads);
+
+/* One sequence of pnmix_attend_paged_batch: what pnmix_attend_paged takes for it (its paged state,
+ * length, queries [1, Hq, nq, D], new tokens [1, H, n_new, D] and output [1, Hq, nq, D], with their
+ * byte counts). The batch shares the layout, q_is_fp32 and q_heads. */
+typedef struct pnmix_paged_sequence {
+  pnmix_paged_state paged;
+  int64_t seq_len;
+  const void* q;
+  int64_t nq, q_bytes;
+  const uint16_t* k_new;
+  const uint16_t* v_new;
+  int64_t n_new, new_bytes;
+  float* out;
+  int64_t out_bytes;
+} pnmix_paged_sequence;
+
+/* pnmix_attend_paged of `count` sequences at once (an engine's step: every sequence of a layer in
+ * one call), their work items in one parallel-for. Every sequence is checked before any runs (a
+ * failing one is named by its index; no output is written then). The work is split over the
+ * sequences in proportion to their work; each sequence's result equals pnmix_attend_paged's up to
+ * the order of its splits' merge (bit for bit when count == 1 and the thread counts agree). */
+PNMIX_API int pnmix_attend_paged_batch(const pnmix_layout* layout, const pnmix_paged_sequence* seqs, int64_t count,
+                                       int q_is_fp32, int64_t q_heads, int threads);
 
 /* A caller's parallel-for, for pnmix_attend_on: run task(task_ctx, i) exactly once for every i in
  * [0, items), on any threads, concurrently or not, and return 0 when all have run (non-zero: it
