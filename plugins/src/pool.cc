@@ -1,5 +1,9 @@
 #include "pool.h"
 
+#if defined(__linux__)
+#include <sched.h>
+#endif
+
 #include <atomic>
 #include <condition_variable>
 #include <mutex>
@@ -104,8 +108,22 @@ Pool& pool() {
 
 }  // namespace
 
+// The cores the calling thread may run on: an engine that pins its worker to some cores (vLLM's
+// CPU worker: one core, the other kept for its own front end) gets that many threads, not the
+// machine's count (helpers inherit the caller's mask, so more would share its cores).
+static int usable_cores() {
+#if defined(__linux__)
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    const int n = CPU_COUNT(&set);
+    if (n > 0) return n;
+  }
+#endif
+  return (int)std::thread::hardware_concurrency();
+}
+
 int resolve_threads(int requested) {
-  int n = requested > 0 ? requested : (int)std::thread::hardware_concurrency();
+  int n = requested > 0 ? requested : usable_cores();
   if (n < 1) n = 1;
   return n > 256 ? 256 : n;
 }

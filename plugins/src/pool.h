@@ -11,7 +11,8 @@ namespace pnmix {
 // them). Calls from different caller threads are serialized.
 void parallel_for(int threads, int64_t n_items, void (*fn)(void* ctx, int64_t item), void* ctx);
 
-// Threads to use for a request: <= 0 means all hardware threads; capped at 256.
+// Threads to use for a request: <= 0 means every core the calling thread may run on (its affinity
+// mask); capped at 256.
 int resolve_threads(int requested);
 
 }  // namespace pnmix

@@ -6,6 +6,7 @@ cmake --build build/dev, or pip install .).
 
 import ctypes
 import math
+import os
 
 import pytest
 import torch
@@ -586,3 +587,44 @@ def test_int8_arithmetic_errors_and_environment(arith):
                          capture_output=True, text=True)
     assert run.returncode != 0 and run.stdout.split() == ["invalid"]
     assert "PNMIX_ATTEND_ARITH is 'int-8'; set it to fp32 or int8 (or unset it)" in run.stderr
+
+
+POOL_THREADS = """
+import os, sys, torch
+from pnmix.backends.core_ops import CoreOps
+from pnmix.config import PnMixConfig
+from pnmix.format import CacheLayout
+from pnmix.testing import make_random_kv
+cores = sys.argv[1]
+if cores != "all":
+    os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
+torch.set_num_threads(1)  # torch's own pool out of the count
+lay = CacheLayout(PnMixConfig(), 1, 8, 128, 8192)
+ops = CoreOps()  # threads=0: every core the thread may use
+state = lay.empty_state()
+k, v = make_random_kv(1, 8, 8192, 128, seed=1)
+q = torch.randn(1, 32, 1, 128)
+before = len(os.listdir("/proc/self/task"))
+ops.append(lay, state, 0, k, v)
+ops.attend(q, lay, state, 8192)  # a cache big enough to wake every thread
+print(len(os.listdir("/proc/self/task")) - before)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux affinity masks and at least 2 usable cores")
+def test_threads_by_default_are_the_cores_the_caller_may_use():
+    """A process pinned to one core (vLLM pins its CPU worker so) gets no helper thread: helpers
+    inherit the caller's mask, so they would share its core and only contend; unpinned, the same
+    work wakes helpers."""
+    import subprocess
+    import sys
+
+    def helpers(cores: str) -> int:
+        run = subprocess.run([sys.executable, "-c", POOL_THREADS, cores], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        return int(run.stdout.split()[-1])
+
+    first = sorted(os.sched_getaffinity(0))[0]
+    assert helpers(str(first)) == 0
+    assert helpers("all") >= 1
