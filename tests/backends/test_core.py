@@ -355,15 +355,16 @@ TASK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)
 RUNNER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, TASK, ctypes.c_void_p, ctypes.c_int64)
 
 
+@pytest.mark.parametrize("seq_len", [150, 700])  # no group yet; groups (each dequantized once for the tiles)
 @pytest.mark.parametrize("name, head_dim", [("manifest", 64), ("odd", 40)])
-def test_a_long_chunk_splits_its_rows_and_stays_within_tolerance(ops, name, head_dim):
-    """A chunk of many queries (a prompt's later chunk) over a short cache: its rows are split
-    into blocks that each read every key, the fp16 tokens go through the block-tiled products
-    (head dims that are not a multiple of the vector width take the scalar tail). Every kernel and
-    thread count stays within tolerance of the reference, and the first query sees exactly what a
-    one-query call at its position sees."""
+def test_a_long_chunk_splits_its_rows_and_stays_within_tolerance(ops, name, head_dim, seq_len):
+    """A chunk of many queries (a prompt's later chunk) over a cache: its rows are split into
+    blocks that each read every key, the fp16 tokens and the dequantized groups go through the
+    block-tiled products (head dims that are not a multiple of the vector width take the scalar
+    tail). Every kernel and thread count stays within tolerance of the reference, and the first
+    query sees exactly what a one-query call at its position sees."""
     config = CONFIGS[name]
-    seq_len, n_new = 150, 203  # a partial key block at the end
+    n_new = 203  # a partial key block at the end
     layout = CacheLayout(config, 1, 2, head_dim, seq_len + n_new)
     k, v = make_random_kv(1, 2, seq_len + n_new, head_dim, seed=21)
     state, _ = run_schedule(append_reference, layout, [seq_len], k[:, :, :seq_len], v[:, :, :seq_len])
