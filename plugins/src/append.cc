@@ -1,5 +1,6 @@
-// libpnmix_core: pnmix_append (pnmix_core.h): the pair mask on the first append, sink, residual
-// and group flushes, one (sequence, KV head) per worker. Bytes equal pnmix.cache.append_reference.
+// libpnmix_core: pnmix_append (pnmix_core.h): the pair mask on the first append, group flushes (one
+// group of one (sequence, KV head) per worker), then sink and residual. Bytes equal
+// pnmix.cache.append_reference.
 #include <string.h>
 
 #include <atomic>
@@ -32,24 +33,57 @@ inline const uint16_t* stream_row(const AppendJob& job, const uint16_t* residual
   return fresh + (bh * job.n + job.into_sink + j - job.before.residual) * D;
 }
 
-void append_head_impl(const AppendJob& job, int64_t bh);
+void quantize_group(const AppendJob& job, int64_t item);
 
-void append_head(void* ctx, int64_t bh) {
+// Work item (sequence and KV head bh, new group i) = bh * new_groups + i: every group of every head
+// is quantized on its own, so a long append keeps every thread busy however few the KV heads.
+void quantize_group_item(void* ctx, int64_t item) {
   AppendJob& job = *static_cast<AppendJob*>(ctx);
   try {
-    append_head_impl(job, bh);
+    quantize_group(job, item);
   } catch (const std::exception&) {  // never let an exception cross the C ABI or kill a worker
     job.failed = true;
   }
 }
 
-void append_head_impl(const AppendJob& job, int64_t bh) {
+void quantize_group(const AppendJob& job, int64_t item) {
   const pnmix_layout& L = *job.L;
   const pnmix_state* st = job.state;
-  const int64_t H = L.kv_heads, D = L.head_dim, S = L.config.sink_tokens, R = L.config.residual_size;
-  const int64_t gs = L.config.group_size, G = max_groups(L), b = bh / H, h = bh % H;
+  const int64_t new_groups = job.after.groups - job.before.groups, bh = item / new_groups, i = item % new_groups;
+  const int64_t H = L.kv_heads, D = L.head_dim, gs = L.config.group_size, G = max_groups(L), b = bh / H, h = bh % H;
   const int64_t row = D * 2;  // bytes of one fp16 token row
+  const uint16_t* res_k = buffer<uint16_t>(st, PNMIX_RESIDUAL_K);
+  const uint16_t* res_v = buffer<uint16_t>(st, PNMIX_RESIDUAL_V);
+  thread_local std::vector<uint16_t> rows;
+  thread_local std::vector<int> bits;
+  thread_local std::vector<int64_t> offsets;
+  if ((int64_t)rows.size() < 2 * gs * D) rows.resize(2 * gs * D);
+  if ((int64_t)bits.size() < D) bits.resize(D), offsets.resize(D);
+  const uint8_t* mask = buffer<uint8_t>(st, PNMIX_PAIR_MASK) + b * mask_bytes(L);
+  key_channel_layout(L, mask, h, bits.data(), offsets.data());
+  const int64_t KB = key_group_bytes(L), VB = value_token_bytes(L), NVB = value_blocks(L);
+  uint16_t* keys = rows.data();
+  uint16_t* values = rows.data() + gs * D;
+  for (int64_t t = 0; t < gs; ++t) {
+    memcpy(keys + t * D, stream_row(job, res_k, job.k, bh, i * gs + t), row);
+    memcpy(values + t * D, stream_row(job, res_v, job.v, bh, i * gs + t), row);
+  }
+  const int64_t slot = bh * G + job.before.groups + i;
+  quantize_key_group(L, keys, D, bits.data(), offsets.data(), buffer<uint8_t>(st, PNMIX_KEY_CODES) + slot * KB,
+                     buffer<uint16_t>(st, PNMIX_KEY_STEP) + slot * D, buffer<uint16_t>(st, PNMIX_KEY_OFFSET) + slot * D);
+  for (int64_t t = 0; t < gs; ++t)
+    quantize_value_token(L, values + t * D, buffer<uint8_t>(st, PNMIX_VALUE_CODES) + (slot * gs + t) * VB,
+                         buffer<uint16_t>(st, PNMIX_VALUE_STEP) + (slot * gs + t) * NVB,
+                         buffer<uint16_t>(st, PNMIX_VALUE_OFFSET) + (slot * gs + t) * NVB);
+}
 
+// After every group of (b, h) is quantized (they read the residual): the sink's new tokens, and
+// the stream's tail becomes the residual.
+void move_sink_and_residual(const AppendJob& job, int64_t bh) {
+  const pnmix_layout& L = *job.L;
+  const pnmix_state* st = job.state;
+  const int64_t D = L.head_dim, S = L.config.sink_tokens, R = L.config.residual_size, gs = L.config.group_size;
+  const int64_t row = D * 2;
   uint16_t* sink_k = buffer<uint16_t>(st, PNMIX_SINK_K);
   uint16_t* sink_v = buffer<uint16_t>(st, PNMIX_SINK_V);
   uint16_t* res_k = buffer<uint16_t>(st, PNMIX_RESIDUAL_K);
@@ -58,36 +92,8 @@ void append_head_impl(const AppendJob& job, int64_t bh) {
     memcpy(sink_k + (bh * S + job.before.sink + t) * D, job.k + (bh * job.n + t) * D, row);
     memcpy(sink_v + (bh * S + job.before.sink + t) * D, job.v + (bh * job.n + t) * D, row);
   }
-
-  const int64_t new_groups = job.after.groups - job.before.groups;
-  if (new_groups) {
-    thread_local std::vector<uint16_t> rows;
-    thread_local std::vector<int> bits;
-    thread_local std::vector<int64_t> offsets;
-    if ((int64_t)rows.size() < 2 * gs * D) rows.resize(2 * gs * D);
-    if ((int64_t)bits.size() < D) bits.resize(D), offsets.resize(D);
-    const uint8_t* mask = buffer<uint8_t>(st, PNMIX_PAIR_MASK) + b * mask_bytes(L);
-    key_channel_layout(L, mask, h, bits.data(), offsets.data());
-    const int64_t KB = key_group_bytes(L), VB = value_token_bytes(L), NVB = value_blocks(L);
-    for (int64_t i = 0; i < new_groups; ++i) {
-      uint16_t* keys = rows.data();
-      uint16_t* values = rows.data() + gs * D;
-      for (int64_t t = 0; t < gs; ++t) {
-        memcpy(keys + t * D, stream_row(job, res_k, job.k, bh, i * gs + t), row);
-        memcpy(values + t * D, stream_row(job, res_v, job.v, bh, i * gs + t), row);
-      }
-      const int64_t slot = bh * G + job.before.groups + i;
-      quantize_key_group(L, keys, D, bits.data(), offsets.data(), buffer<uint8_t>(st, PNMIX_KEY_CODES) + slot * KB,
-                         buffer<uint16_t>(st, PNMIX_KEY_STEP) + slot * D,
-                         buffer<uint16_t>(st, PNMIX_KEY_OFFSET) + slot * D);
-      for (int64_t t = 0; t < gs; ++t)
-        quantize_value_token(L, values + t * D, buffer<uint8_t>(st, PNMIX_VALUE_CODES) + (slot * gs + t) * VB,
-                             buffer<uint16_t>(st, PNMIX_VALUE_STEP) + (slot * gs + t) * NVB,
-                             buffer<uint16_t>(st, PNMIX_VALUE_OFFSET) + (slot * gs + t) * NVB);
-    }
-  }
-  // the stream's tail becomes the residual; rows only move towards the front, so a forward copy is safe
-  const int64_t skip = new_groups * gs;
+  // rows only move towards the front, so a forward copy is safe
+  const int64_t skip = (job.after.groups - job.before.groups) * gs;
   for (int64_t j = 0; j < job.after.residual; ++j) {
     memmove(res_k + (bh * R + j) * D, stream_row(job, res_k, job.k, bh, skip + j), row);
     memmove(res_v + (bh * R + j) * D, stream_row(job, res_v, job.v, bh, skip + j), row);
@@ -146,10 +152,10 @@ static int append_impl(const pnmix_layout* layout, pnmix_state* state, int64_t s
   job.into_sink = job.after.sink - job.before.sink;
   job.k = k;
   job.v = v;
-  const int64_t heads = L.batch * L.kv_heads;
-  const bool big = (job.after.groups - job.before.groups) > 0 && heads > 1;
-  parallel_for(big ? resolve_threads(0) : 1, heads, append_head, &job);
+  const int64_t heads = L.batch * L.kv_heads, groups = heads * (job.after.groups - job.before.groups);
+  if (groups) parallel_for(groups > 1 ? resolve_threads(0) : 1, groups, quantize_group_item, &job);
   if (job.failed) return fail(PNMIX_ERR_INTERNAL, "out of memory for the append scratch");
+  for (int64_t bh = 0; bh < heads; ++bh) move_sink_and_residual(job, bh);
   return ok();
 }
 
