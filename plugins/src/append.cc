@@ -25,12 +25,167 @@ struct AppendJob {
   std::atomic<bool> failed{false};
 };
 
+template <typename T>
+T* ensure_size(std::vector<T>& v, int64_t n) {
+  if ((int64_t)v.size() < n) v.resize(n);
+  return v.data();
+}
+
 // Token j of the residual stream of (b, h): what the residual holds, then the new tokens past the sink.
 inline const uint16_t* stream_row(const AppendJob& job, const uint16_t* residual, const uint16_t* fresh,
                                   int64_t bh, int64_t j) {
   const int64_t D = job.L->head_dim, R = job.L->config.residual_size;
   if (j < job.before.residual) return residual + (bh * R + j) * D;
   return fresh + (bh * job.n + job.into_sink + j - job.before.residual) * D;
+}
+
+// ---- a group's quantization, four lanes at a time ------------------------------------------------
+//
+// The bytes of quant.h's quantize_key_group / quantize_value_token (the definition, shared with
+// CUDA and the reference), computed four elements at a time: keys four channels to a vector, each
+// lane walking its channel's tokens in order, so every fit sees its elements in quant.h's order
+// (min/max ties, float64 sums); values four channels of a token at a time, the range's minimum
+// and maximum found again element by element where it is a zero (the first of -0.0 and +0.0 is
+// the one quant.h keeps). rint is (x + 1.5 * 2^23) - 1.5 * 2^23: rintf for |x| < 2^22 in the
+// default rounding mode, and a larger value is clamped to the same code either way.
+
+typedef float f4 __attribute__((vector_size(16)));
+typedef int32_t i4 __attribute__((vector_size(16)));
+typedef double d4 __attribute__((vector_size(32)));
+
+inline f4 load4(const float* p) {
+  f4 v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// fp16 -> fp32 of every 16-bit pattern, half_to_float's values (NaN payloads kept); built once.
+const float* half_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(65536);
+    for (uint32_t h = 0; h < 65536; ++h) t[h] = half_to_float((uint16_t)h);
+    return t;
+  }();
+  return table.data();
+}
+
+// quantize_code, lane by lane
+inline i4 quantize4(f4 x, f4 step, f4 offset, f4 top) {
+  const f4 magic = f4{} + 12582912.0f;
+  const f4 r = ((x - offset) / step + magic) - magic;
+  const i4 keep = (r > 0.0f) & (step != 0.0f);  // not NaN, above zero, a step to divide by
+  const f4 code = keep ? (r >= top ? top : r) : f4{};
+  return __builtin_convertvector(code, i4);
+}
+
+// codes q[0..n) of b bits each, code i at bit i * b of out (write_code's order), nbytes at most
+void pack_codes(const uint8_t* q, int64_t n, int b, uint8_t* out, int64_t nbytes) {
+  uint64_t acc = 0;
+  int have = 0;
+  int64_t o = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    acc |= (uint64_t)q[i] << have;
+    for (have += b; have >= 8; have -= 8, acc >>= 8)
+      if (o < nbytes) out[o++] = (uint8_t)acc;
+  }
+  if (have && o < nbytes) out[o] = (uint8_t)acc;
+}
+
+// quantize_key_group of keys x fp32 [gs][D] (keys16: the same as fp16, for a channel tail past
+// the last whole vector); q: scratch of D * gs codes.
+void quantize_keys4(const pnmix_layout& L, const float* x, const uint16_t* keys16, const int* bits,
+                    const int64_t* offsets, uint8_t* codes, uint16_t* step, uint16_t* offset, uint8_t* q) {
+  const int64_t gs = L.config.group_size, D = L.head_dim;
+  int64_t c = 0;
+  for (; c + 4 <= D; c += 4) {
+    f4 lo = load4(x + c), hi = lo;
+    i4 nan = lo != lo;
+    d4 sum = d4{} + __builtin_convertvector(lo, d4);
+    for (int64_t t = 1; t < gs; ++t) {
+      const f4 v = load4(x + t * D + c);
+      nan |= v != v;
+      lo = v < lo ? v : lo;
+      hi = v > hi ? v : hi;
+      sum += __builtin_convertvector(v, d4);
+    }
+    const f4 mu = __builtin_convertvector(sum / (double)gs, f4);
+    d4 spread = d4{};
+    if (bits[c] == 1 || bits[c + 1] == 1 || bits[c + 2] == 1 || bits[c + 3] == 1)
+      for (int64_t t = 0; t < gs; ++t) {
+        const i4 diff = (i4)(load4(x + t * D + c) - mu) & 0x7fffffff;  // fabsf
+        spread += __builtin_convertvector((f4)diff, d4);
+      }
+    f4 s4, o4, top;
+    for (int l = 0; l < 4; ++l) {
+      const int b = bits[c + l];
+      const QParams qp = b >= 2 ? affine_from_range(lo[l], hi[l], nan[l] != 0, b) : affine_from_mean(mu[l], spread[l], gs);
+      step[c + l] = qp.step;
+      offset[c + l] = qp.offset;
+      s4[l] = half_to_float(qp.step);
+      o4[l] = half_to_float(qp.offset);
+      top[l] = (float)((1 << b) - 1);
+    }
+    for (int64_t t = 0; t < gs; ++t) {
+      const i4 code = quantize4(load4(x + t * D + c), s4, o4, top);
+      for (int l = 0; l < 4; ++l) q[(c + l) * gs + t] = (uint8_t)code[l];
+    }
+  }
+  for (; c < D; ++c) {  // quant.h's loop for the channels past the last vector
+    const QParams qp = fit_affine(keys16 + c, gs, D, bits[c]);
+    step[c] = qp.step;
+    offset[c] = qp.offset;
+    const float s = half_to_float(qp.step), o = half_to_float(qp.offset);
+    for (int64_t t = 0; t < gs; ++t) q[c * gs + t] = (uint8_t)quantize_code(x[t * D + c], s, o, bits[c]);
+  }
+  for (c = 0; c < D; ++c) pack_codes(q + c * gs, gs, bits[c], codes + offsets[c], gs * bits[c] / 8);
+}
+
+// The first minimum (or maximum) of x[0..n) as quant.h's scan keeps it, given the value m of it:
+// only a zero has two encodings that compare equal.
+float first_extreme(const float* x, int64_t n, float m, bool lowest) {
+  if (m != 0.0f) return m;
+  float e = x[0];
+  for (int64_t i = 1; i < n; ++i) e = lowest ? (x[i] < e ? x[i] : e) : (x[i] > e ? x[i] : e);
+  return e;
+}
+
+// quantize_value_token of one token's values x fp32 [D] (values16: the same as fp16, for the
+// layouts the vectors do not take: 1-bit values, blocks narrower than a vector); q: D codes.
+void quantize_values4(const pnmix_layout& L, const float* x, const uint16_t* values16, uint8_t* codes,
+                      uint16_t* step, uint16_t* offset, uint8_t* q) {
+  const int64_t vg = value_block(L), nvb = value_blocks(L), vb = value_token_bytes(L), D = L.head_dim;
+  const int b = L.config.value_bits;
+  if (b < 2 || vg % 4) return quantize_value_token(L, values16, codes, step, offset);
+  const f4 top = f4{} + (float)((1 << b) - 1);
+  for (int64_t j = 0; j < nvb; ++j) {
+    const float* xb = x + j * vg;
+    f4 lo = load4(xb), hi = lo;
+    i4 nan = lo != lo;
+    for (int64_t c = 4; c < vg; c += 4) {
+      const f4 v = load4(xb + c);
+      nan |= v != v;
+      lo = v < lo ? v : lo;
+      hi = v > hi ? v : hi;
+    }
+    float l = lo[0], h = hi[0];
+    bool any_nan = nan[0] != 0;
+    for (int k = 1; k < 4; ++k) {
+      l = lo[k] < l ? lo[k] : l;
+      h = hi[k] > h ? hi[k] : h;
+      any_nan |= nan[k] != 0;
+    }
+    const QParams qp = any_nan ? affine_from_range(0.0f, 0.0f, true, b)
+                               : affine_from_range(first_extreme(xb, vg, l, true), first_extreme(xb, vg, h, false),
+                                                   false, b);
+    step[j] = qp.step;
+    offset[j] = qp.offset;
+    const f4 s4 = f4{} + half_to_float(qp.step), o4 = f4{} + half_to_float(qp.offset);
+    for (int64_t c = 0; c < vg; c += 4) {
+      const i4 code = quantize4(load4(xb + c), s4, o4, top);
+      for (int k = 0; k < 4; ++k) q[j * vg + c + k] = (uint8_t)code[k];
+    }
+  }
+  pack_codes(q, D, b, codes, vb);
 }
 
 void quantize_group(const AppendJob& job, int64_t item);
@@ -68,13 +223,19 @@ void quantize_group(const AppendJob& job, int64_t item) {
     memcpy(keys + t * D, stream_row(job, res_k, job.k, bh, i * gs + t), row);
     memcpy(values + t * D, stream_row(job, res_v, job.v, bh, i * gs + t), row);
   }
+  thread_local std::vector<float> as_float;
+  thread_local std::vector<uint8_t> scratch_codes;
+  float* xf = ensure_size(as_float, 2 * gs * D);
+  uint8_t* q = ensure_size(scratch_codes, gs * D);
+  const float* table = half_table();
+  for (int64_t e = 0; e < 2 * gs * D; ++e) xf[e] = table[rows[e]];  // keys, then values
   const int64_t slot = bh * G + job.before.groups + i;
-  quantize_key_group(L, keys, D, bits.data(), offsets.data(), buffer<uint8_t>(st, PNMIX_KEY_CODES) + slot * KB,
-                     buffer<uint16_t>(st, PNMIX_KEY_STEP) + slot * D, buffer<uint16_t>(st, PNMIX_KEY_OFFSET) + slot * D);
+  quantize_keys4(L, xf, keys, bits.data(), offsets.data(), buffer<uint8_t>(st, PNMIX_KEY_CODES) + slot * KB,
+                 buffer<uint16_t>(st, PNMIX_KEY_STEP) + slot * D, buffer<uint16_t>(st, PNMIX_KEY_OFFSET) + slot * D, q);
   for (int64_t t = 0; t < gs; ++t)
-    quantize_value_token(L, values + t * D, buffer<uint8_t>(st, PNMIX_VALUE_CODES) + (slot * gs + t) * VB,
-                         buffer<uint16_t>(st, PNMIX_VALUE_STEP) + (slot * gs + t) * NVB,
-                         buffer<uint16_t>(st, PNMIX_VALUE_OFFSET) + (slot * gs + t) * NVB);
+    quantize_values4(L, xf + (gs + t) * D, values + t * D, buffer<uint8_t>(st, PNMIX_VALUE_CODES) + (slot * gs + t) * VB,
+                     buffer<uint16_t>(st, PNMIX_VALUE_STEP) + (slot * gs + t) * NVB,
+                     buffer<uint16_t>(st, PNMIX_VALUE_OFFSET) + (slot * gs + t) * NVB, q);
 }
 
 // After every group of (b, h) is quantized (they read the residual): the sink's new tokens, and

@@ -90,8 +90,22 @@ def test_append_bytes_identical_to_reference(ops, name, chunks):
     assert dump.dump_state(layout, ours, n) == dump.dump_state(layout, ref, n)
 
 
+@pytest.mark.parametrize("name", ["manifest", "other", "one_bit"])
+def test_append_bytes_identical_with_a_head_dim_past_whole_vectors(ops, name):
+    """head_dim 18: the last two key channels (and value blocks of 18) take the scalar path beside
+    the four-lane one."""
+    config = CONFIGS[name].replace(value_bits=4, value_group_size=128)
+    layout = CacheLayout(config, 1, 2, 18, 300)
+    k, v = make_random_kv(1, 2, 300, 18, seed=17)
+    ours, _ = run_schedule(ops.append, layout, [300], k, v)
+    ref, _ = run_schedule(append_reference, layout, [300], k, v)
+    for key in STATE_NAMES:
+        assert torch.equal(ours[key], ref[key]), key
+
+
 def test_append_edge_values_identical(ops):
-    """Constant channels (step 0), huge values (saturating fp16 steps), subnormals, zeros."""
+    """Constant channels (step 0), huge values (saturating fp16 steps), subnormals, zeros of both
+    signs where they are a block's minimum or maximum, NaN."""
     config = PnMixConfig(group_size=16, residual_size=16, sink_tokens=0)
     layout = CacheLayout(config, 1, 2, 16, 64)
     k, v = make_random_kv(1, 2, 64, 16, seed=3)
@@ -100,10 +114,20 @@ def test_append_edge_values_identical(ops):
     k[:, 0, 8:16, 3] = -65504.0  # max - min overflows fp16: step saturates
     v[:, 1, :, 4:8] = torch.tensor(6e-8).half()  # subnormal fp16
     v[:, 1, 5, :] = 0.0
+    v[:, 0, 9, :] = v[:, 0, 9, :].abs()  # a token whose minimum is a zero, -0.0 before +0.0
+    v[:, 0, 9, 2], v[:, 0, 9, 6] = -0.0, 0.0
+    v[:, 0, 10, :] = -v[:, 0, 10, :].abs()  # and one whose maximum is, +0.0 before -0.0
+    v[:, 0, 10, 3], v[:, 0, 10, 11] = 0.0, -0.0
+    k[:, 1, 20:24, 5] = 0.0  # a channel's minimum among zeros of both signs
+    k[:, 1, 21, 5] = -0.0
+    k[:, 1, 16:32, 6] = k[:, 1, 16:32, 6].abs()
+    k[:, 1, 18, 6], k[:, 1, 19, 6] = -0.0, 0.0
+    k[:, 1, 40, 7] = float("nan")  # NaN propagates into the group's step and offset
+    v[:, 1, 41, 9] = float("nan")
     ours, _ = run_schedule(ops.append, layout, [64], k, v)
     ref, _ = run_schedule(append_reference, layout, [64], k, v)
-    for key in STATE_NAMES:
-        assert torch.equal(ours[key], ref[key]), key
+    for key in STATE_NAMES:  # as bytes: NaN is not equal to itself
+        assert torch.equal(ours[key].view(torch.uint8), ref[key].view(torch.uint8)), key
 
 
 @pytest.mark.parametrize("name", ["manifest", "other", "odd", "wide", "eight", "one_bit"])

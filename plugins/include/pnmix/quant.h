@@ -23,9 +23,29 @@ struct QParams {
   uint16_t offset;  // fp16 bits
 };
 
+// The fit of b >= 2 bits from a block's range: lo and hi its first minimum and maximum (the
+// earliest of equal values, which tells -0.0 from +0.0), nan whether any element is NaN.
+PNMIX_HD inline QParams affine_from_range(float lo, float hi, bool nan, int bits) {
+  if (nan) lo = hi = NAN;  // torch.amin/amax propagate NaN
+  const float levels = (float)((1 << bits) - 1);
+  QParams qp;
+  qp.step = float_to_half_saturating((hi - lo) / levels);
+  qp.offset = float_to_half_saturating(lo);
+  return qp;
+}
+
+// The 1-bit fit from a block's mean mu and spread = the float64 sum, in element order, of
+// |x - mu| (fp32 differences), over n elements.
+PNMIX_HD inline QParams affine_from_mean(float mu, double spread, int64_t n) {
+  const float a = (float)(spread / (double)n);
+  QParams qp;
+  qp.step = float_to_half_saturating(2.0f * a);
+  qp.offset = float_to_half_saturating(mu - a);
+  return qp;
+}
+
 // Fit (step, offset) over n fp16 elements x[0], x[stride], ... with b bits.
 PNMIX_HD inline QParams fit_affine(const uint16_t* x, int64_t n, int64_t stride, int bits) {
-  QParams qp;
   if (bits >= 2) {
     float lo = half_to_float(x[0]), hi = lo;
     bool nan = lo != lo;
@@ -35,21 +55,14 @@ PNMIX_HD inline QParams fit_affine(const uint16_t* x, int64_t n, int64_t stride,
       lo = v < lo ? v : lo;
       hi = v > hi ? v : hi;
     }
-    if (nan) lo = hi = NAN;  // torch.amin/amax propagate NaN
-    const float levels = (float)((1 << bits) - 1);
-    qp.step = float_to_half_saturating((hi - lo) / levels);
-    qp.offset = float_to_half_saturating(lo);
-    return qp;
+    return affine_from_range(lo, hi, nan, bits);
   }
   double sum = 0.0;
   for (int64_t i = 0; i < n; ++i) sum += (double)half_to_float(x[i * stride]);
   const float mu = (float)(sum / (double)n);
   double spread = 0.0;
   for (int64_t i = 0; i < n; ++i) spread += (double)fabsf(half_to_float(x[i * stride]) - mu);
-  const float a = (float)(spread / (double)n);
-  qp.step = float_to_half_saturating(2.0f * a);
-  qp.offset = float_to_half_saturating(mu - a);
-  return qp;
+  return affine_from_mean(mu, spread, n);
 }
 
 // q = clamp(rint(fp32(x - offset) / step), 0, 2^b - 1); 0 where step == 0 (or the result is NaN).
