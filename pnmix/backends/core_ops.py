@@ -102,10 +102,16 @@ def _check_block_ids(table: torch.Tensor, dims: int) -> None:
                          f"{list(table.shape)}")
 
 
-def _check_slot_tensor(name: str, part: torch.Tensor) -> None:
-    if part.device.type != "cpu" or part.dtype != STATE_DTYPES[name] or not part.is_contiguous():
-        raise PnMixError(f"slot tensor '{name}' must be a contiguous CPU {STATE_DTYPES[name]} tensor, "
-                         f"got {part.dtype} on {part.device}")
+def _slot_tensors(slot: Dict[str, torch.Tensor], what: str) -> Dict[str, torch.Tensor]:
+    """SLOT_TENSORS of ``slot``, each present, on the CPU, of the format's dtype and contiguous."""
+    for name in SLOT_TENSORS:
+        part = slot.get(name)
+        if part is None:
+            raise PnMixError(f"{what} is missing tensor '{name}'")
+        if part.device.type != "cpu" or part.dtype != STATE_DTYPES[name] or not part.is_contiguous():
+            raise PnMixError(f"slot tensor '{name}' must be a contiguous CPU {STATE_DTYPES[name]} tensor, "
+                             f"got {part.dtype} on {part.device}")
+    return {name: slot[name] for name in SLOT_TENSORS}
 
 
 class CoreOps(CacheOps):
@@ -161,11 +167,7 @@ class CoreOps(CacheOps):
         c = _paged_pages(layout, pages, block_size)
         _check_block_ids(block_table, 1)
         c.block_table, c.table_blocks, c.block_id_bytes = _ptr(block_table), block_table.numel(), block_table.element_size()
-        for name in SLOT_TENSORS:
-            part = slot.get(name)
-            if part is None:
-                raise PnMixError(f"the paged slot is missing tensor '{name}'")
-            _check_slot_tensor(name, part)
+        for name, part in _slot_tensors(slot, "the paged slot").items():
             setattr(c, name, _ptr(part))
         c.sink_bytes, c.residual_bytes = _nbytes(slot["sink_k"]), _nbytes(slot["residual_k"])
         c.mask_bytes = _nbytes(slot["pair_mask"])
@@ -217,11 +219,7 @@ class CoreOps(CacheOps):
         _check_block_ids(block_tables, 2)
         if block_tables.shape[0] != n:
             raise PnMixError(f"block_tables has {block_tables.shape[0]} rows for {n} sequences")
-        for name in SLOT_TENSORS:
-            part = slots.get(name)
-            if part is None:
-                raise PnMixError(f"the paged slots are missing tensor '{name}'")
-            _check_slot_tensor(name, part)
+        for name, part in _slot_tensors(slots, "the paged slots").items():
             if part.dim() < 1 or part.shape[0] != slots["sink_k"].shape[0]:
                 raise PnMixError(f"slot tensor '{name}' must have the slots as its first dimension")
         num_slots = slots["sink_k"].shape[0]

@@ -109,7 +109,7 @@ class PnMixMetadata:
 def split_decode(rows: List[Tuple[int, int, int]], slots: List[int], table: torch.Tensor):
     """(DecodeRows or None, the other rows' indices): one-token rows over a cache apart."""
     decode = [i for i, (_, n, cached) in enumerate(rows) if n == 1 and cached > 0]
-    others = [i for i in range(len(rows)) if i not in set(decode)]
+    others = sorted(set(range(len(rows))) - set(decode))
     if not decode:
         return None, others
     index = torch.tensor(decode, dtype=torch.long)

@@ -287,11 +287,22 @@ class PagedLayerCache:
         pages = self.pages
         return CacheLayout(pages.config, 1, pages.kv_heads, pages.head_dim, max(seq_len, 1))
 
+    def slot_tensors(self) -> Dict[str, torch.Tensor]:
+        """Every slot's sink, residual and pair mask: [slots, ...] each."""
+        return dict(sink_k=self.sink_k, sink_v=self.sink_v, residual_k=self.residual_k, residual_v=self.residual_v,
+                    pair_mask=self.pair_mask)
+
     def slot_state(self, slot: int) -> Dict[str, torch.Tensor]:
         """The slot's sink, residual and pair mask as batch-1 state tensors (views, no copy)."""
-        return dict(sink_k=self.sink_k[slot:slot + 1], sink_v=self.sink_v[slot:slot + 1],
-                    residual_k=self.residual_k[slot:slot + 1], residual_v=self.residual_v[slot:slot + 1],
-                    pair_mask=self.pair_mask[slot:slot + 1])
+        return {name: t[slot:slot + 1] for name, t in self.slot_tensors().items()}
+
+    def kernel_queries(self, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """Queries as the kernels take them: scaled by the model's scale over the kernels' 1/sqrt(D),
+        in fp16 (as PnMixCache's packed path hands them)."""
+        ratio = scale * math.sqrt(self.pages.head_dim)
+        if not math.isclose(ratio, 1.0, rel_tol=1e-6):
+            q = q * ratio
+        return q.to(torch.float16)
 
     def state(self, kv_pages: torch.Tensor, block_table: torch.Tensor, slot: int, seq_len: int):
         """The batch-1 pn-mix state of a sequence (its slot's sink, residual and mask; its group pages
@@ -314,10 +325,7 @@ class PagedLayerCache:
         to the kernels in fp16, as PnMixCache's packed path (pnmix/hf/attention.py) hands them.
         With the C core as ops the kernel reads the group pages in place through the block table
         (CoreOps.attend_paged: nothing of the cache is copied); other ops get the gathered state."""
-        ratio = scale * math.sqrt(self.pages.head_dim)
-        if not math.isclose(ratio, 1.0, rel_tol=1e-6):
-            q = q * ratio
-        q4 = q.to(torch.float16).transpose(0, 1).unsqueeze(0).contiguous()  # [1, Hq, nq, D]
+        q4 = self.kernel_queries(q, scale).transpose(0, 1).unsqueeze(0).contiguous()  # [1, Hq, nq, D]
         k16, v16 = k.to(torch.float16).unsqueeze(0), v.to(torch.float16).unsqueeze(0)
         attend_paged = getattr(self.ops, "attend_paged", None)
         if attend_paged is not None:  # the core: the pages read in place through the block table
@@ -330,7 +338,6 @@ class PagedLayerCache:
             else:
                 out = self.ops.attend(q4, lay, state, seq_len, k16, v16)
         return out[0].transpose(0, 1)
-
 
     def attend_decode(self, kv_pages: torch.Tensor, block_tables: torch.Tensor, slots: Sequence[int],
                       seq_lens: Sequence[int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -345,13 +352,8 @@ class PagedLayerCache:
             return torch.stack([self.attend(kv_pages, block_tables[i], slot, seq_len, q[i:i + 1], k[i, :, None],
                                              v[i, :, None], scale)[0]
                                 for i, (slot, seq_len) in enumerate(zip(slots, seq_lens))])
-        ratio = scale * math.sqrt(self.pages.head_dim)
-        if not math.isclose(ratio, 1.0, rel_tol=1e-6):
-            q = q * ratio
-        slot_tensors = dict(sink_k=self.sink_k, sink_v=self.sink_v, residual_k=self.residual_k,
-                            residual_v=self.residual_v, pair_mask=self.pair_mask)
-        return batch(q.to(torch.float16), self.layout_at(max(seq_lens) + 1), kv_pages, block_tables,
-                     self.pages.block_size, slot_tensors, slots, seq_lens, k, v)
+        return batch(self.kernel_queries(q, scale), self.layout_at(max(seq_lens) + 1), kv_pages, block_tables,
+                     self.pages.block_size, self.slot_tensors(), slots, seq_lens, k, v)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
