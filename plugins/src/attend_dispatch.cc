@@ -503,7 +503,9 @@ int run_batch(const pnmix_layout& L, SeqRun* runs, int64_t count, int nthreads, 
   int64_t live = 0;
   for (int64_t i = 0; i < count; ++i) total_work += run_work(runs[i]), live += !runs[i].empty;
   if (!live) return ok();
-  const int64_t wanted = 8 * (int64_t)nthreads;  // enough items for dynamic balance across threads
+  // enough items for dynamic balance across threads; one thread gains nothing from splits, and each
+  // costs its partial rows' set-up and merge (a chunk's thousands of rows: megabytes)
+  const int64_t wanted = nthreads > 1 ? 8 * (int64_t)nthreads : 1;
   int64_t items = 0;
   for (int64_t i = 0; i < count; ++i) {
     SeqRun& run = runs[i];
