@@ -1,14 +1,17 @@
-"""A/B of libpnmix_core builds: the packed decode attention of each, in ONE process, over the same cache.
+"""A/B of libpnmix_core builds: the packed attention of each, in ONE process, over the same cache.
 
-    python tools/core_ab.py BUILD_DIR_A[:ISA[:ARITH]] BUILD_DIR_B[:ISA[:ARITH]] [--context 32768] [--threads 2] [--blocks 20]
+    python tools/core_ab.py BUILD_DIR_A[:ISA[:ARITH]] BUILD_DIR_B[:ISA[:ARITH]] [--context 32768] [--threads 2]
+                            [--blocks 20] [--queries 1] [--heads 32/8/128]
 
 Each folder holds a libpnmix_core.so (e.g. the installed pnmix/lib and a `cmake --build build/dev`
 of a change); ISA (avx2, avx512, avx512vbmi, scalar; default auto) and ARITH (fp32, int8; default
 auto) pick a kernel of that build, so one build's kernels can be compared too (`B:avx2:int8 B:auto:fp32`). The builds run in alternating blocks of five calls (pnmix.bench.timing's
 time_interleaved), so drift of a shared or throttled machine hits both alike; two separate `pnmix bench decode` runs on a virtual machine can
 differ by 15-30%, more than most kernel changes. Prints whether the outputs are bitwise equal and
-each build's median, 10th percentile and minimum milliseconds per call (batch 1, 32 query / 8 KV
-heads, head dim 128, the default config: the bench decode shape).
+each build's median, 10th percentile and minimum milliseconds per call (batch 1, the default config;
+by default the bench decode shape: 32 query / 8 KV heads, head dim 128, one query).
+--queries N: a prompt's later chunk instead: N queries over the `context` cached tokens, with their
+own N new K/V (causal), the call vLLM's backend makes for it (`--heads 9/3/64`: SmolLM2-135M's).
 """
 
 from __future__ import annotations
@@ -27,7 +30,13 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--blocks", type=int, default=20)
+    parser.add_argument("--queries", type=int, default=1, help="> 1: a chunk of that many queries and new K/V")
+    parser.add_argument("--heads", default="32/8/128", help="query heads / KV heads / head dim")
     args = parser.parse_args()
+    try:
+        q_heads, kv_heads, dim = (int(x) for x in args.heads.split("/"))
+    except ValueError:
+        parser.error(f"--heads {args.heads!r}: give QUERY/KV/DIM, e.g. 9/3/64")
 
     from pnmix import _native
     from pnmix.backends.core_ops import CoreOps
@@ -36,12 +45,13 @@ def main() -> None:
     from pnmix.config import PnMixConfig
     from pnmix.format import CacheLayout
 
-    n = args.context
+    n, nq = args.context, args.queries
     generator = torch.Generator().manual_seed(0)
-    layout = CacheLayout(PnMixConfig(), 1, 8, 128, n)
-    k, v = (torch.randn(1, 8, n, 128, generator=generator).half() for _ in range(2))
-    q = torch.randn(1, 32, 1, 128, generator=generator).half()
-    state = fill_cache(layout, k, v, None)
+    layout = CacheLayout(PnMixConfig(), 1, kv_heads, dim, n + nq)
+    k, v = (torch.randn(1, kv_heads, n + nq, dim, generator=generator).half() for _ in range(2))
+    q = torch.randn(1, q_heads, nq, dim, generator=generator).half()
+    state = fill_cache(layout, k[:, :, :n], v[:, :, :n], None)
+    k_new, v_new = (k[:, :, n:], v[:, :, n:]) if nq > 1 else (None, None)
     libraries: dict[str, CoreOps] = {}
     calls = []
     for build in args.builds:
@@ -54,7 +64,7 @@ def main() -> None:
         def call(ops=libraries[folder], isa=isa, arith=arith):  # the ISA and arithmetic are process-wide
             ops.set_isa(isa)
             ops.set_arith(arith)
-            return ops.attend(q, layout, state, n, None, None)
+            return ops.attend(q, layout, state, n, k_new, v_new)
 
         calls.append(call)
     outputs = [call() for call in calls]  # also each one's warm-up
@@ -62,7 +72,8 @@ def main() -> None:
     timings = time_interleaved(calls, args.blocks, per_round=BLOCK_CALLS)
     for folder, timing in zip(args.builds, timings):
         print(f"{folder}: median {timing.median_s * 1e3:.3f} ms, p10 {timing.percentile_s(10) * 1e3:.3f}, "
-              f"min {timing.best_s * 1e3:.3f} ({timing.count} calls, {args.threads} threads, {n} tokens)")
+              f"min {timing.best_s * 1e3:.3f} ({timing.count} calls, {args.threads} threads, {n} tokens"
+              + (f", {nq} queries" if nq > 1 else "") + ")")
 
 
 if __name__ == "__main__":

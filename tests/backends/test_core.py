@@ -379,7 +379,9 @@ TASK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)
 RUNNER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, TASK, ctypes.c_void_p, ctypes.c_int64)
 
 
-@pytest.mark.parametrize("seq_len", [150, 700])  # no group yet; groups (each dequantized once for the tiles)
+# no group yet; groups (each dequantized once for the tiles); more keys than one batch of the tiles
+# holds (1024: the batch runs in the middle of the work item, and again at its end)
+@pytest.mark.parametrize("seq_len", [150, 700, 1400])
 @pytest.mark.parametrize("name, head_dim", [("manifest", 64), ("odd", 40)])
 def test_a_long_chunk_splits_its_rows_and_stays_within_tolerance(ops, name, head_dim, seq_len):
     """A chunk of many queries (a prompt's later chunk) over a cache: its rows are split into
@@ -559,6 +561,22 @@ def test_int8_path_stays_within_its_error_of_the_reference(arith, name, request)
     arith.threads = 3
     three = arith.attend(q, layout, state, seq_len, k_new, v_new)
     assert (one - three).abs().max().item() <= 1e-5
+
+
+def test_a_chunk_under_the_integer_path_stays_within_its_error(arith):
+    """A chunk of many queries with the integer path on: its packed groups go through the int8
+    kernels, its fp16 tokens (sink, residual, its own) through the fp32 tiles, on one thread and
+    two, within the integer path's error."""
+    layout, state, _, k_new, v_new = _int8_case(PnMixConfig(), 64, n_new=40)
+    q = torch.randn(1, 8, 40, 64, generator=torch.Generator().manual_seed(6)) * 2.0  # 160 rows per KV head
+    seq_len = layout.max_seq_len - 40
+    want = reference.attend(q, layout, state, seq_len, k_new, v_new)
+    arith.set_arith("int8")
+    assert arith.arith_for(layout) == "int8"
+    for threads in (1, 2):
+        arith.threads = threads
+        got = arith.attend(q, layout, state, seq_len, k_new, v_new)
+        assert (got - want).abs().max().item() <= INT8_TOLERANCE, threads
 
 
 @pytest.mark.parametrize("head_dim", [128, 64])
