@@ -11,6 +11,7 @@
 #include "pnmix/format.h"
 #include "pnmix/quant.h"
 #include "pool.h"
+#include "scratch.h"
 
 namespace pnmix {
 namespace core {
@@ -24,12 +25,6 @@ struct AppendJob {
   const uint16_t *k, *v;
   std::atomic<bool> failed{false};
 };
-
-template <typename T>
-T* ensure_size(std::vector<T>& v, int64_t n) {
-  if ((int64_t)v.size() < n) v.resize(n);
-  return v.data();
-}
 
 // Token j of the residual stream of (b, h): what the residual holds, then the new tokens past the sink.
 inline const uint16_t* stream_row(const AppendJob& job, const uint16_t* residual, const uint16_t* fresh,
@@ -212,21 +207,19 @@ void quantize_group(const AppendJob& job, int64_t item) {
   thread_local std::vector<uint16_t> rows;
   thread_local std::vector<int> bits;
   thread_local std::vector<int64_t> offsets;
-  if ((int64_t)rows.size() < 2 * gs * D) rows.resize(2 * gs * D);
-  if ((int64_t)bits.size() < D) bits.resize(D), offsets.resize(D);
+  uint16_t* keys = ensure(rows, 2 * gs * D);
+  uint16_t* values = keys + gs * D;
   const uint8_t* mask = buffer<uint8_t>(st, PNMIX_PAIR_MASK) + b * mask_bytes(L);
-  key_channel_layout(L, mask, h, bits.data(), offsets.data());
+  key_channel_layout(L, mask, h, ensure(bits, D), ensure(offsets, D));
   const int64_t KB = key_group_bytes(L), VB = value_token_bytes(L), NVB = value_blocks(L);
-  uint16_t* keys = rows.data();
-  uint16_t* values = rows.data() + gs * D;
   for (int64_t t = 0; t < gs; ++t) {
     memcpy(keys + t * D, stream_row(job, res_k, job.k, bh, i * gs + t), row);
     memcpy(values + t * D, stream_row(job, res_v, job.v, bh, i * gs + t), row);
   }
   thread_local std::vector<float> as_float;
   thread_local std::vector<uint8_t> scratch_codes;
-  float* xf = ensure_size(as_float, 2 * gs * D);
-  uint8_t* q = ensure_size(scratch_codes, gs * D);
+  float* xf = ensure(as_float, 2 * gs * D);
+  uint8_t* q = ensure(scratch_codes, gs * D);
   const float* table = half_table();
   for (int64_t e = 0; e < 2 * gs * D; ++e) xf[e] = table[rows[e]];  // keys, then values
   const int64_t slot = bh * G + job.before.groups + i;

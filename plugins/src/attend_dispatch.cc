@@ -19,6 +19,7 @@
 #include "pnmix/format.h"
 #include "pnmix/half.h"
 #include "pool.h"
+#include "scratch.h"
 #if defined(PNMIX_HAVE_X86_KERNELS)
 #include "probe.h"
 #endif
@@ -404,11 +405,11 @@ int prepare_run(const pnmix_layout& L, const pnmix_state* state, const pnmix_pag
                                  PNMIX_ERR_STATE, "state's"))
       return rc;
 
-  if ((int64_t)run.q32.size() < q_elems) run.q32.resize(q_elems);
+  float* q32 = ensure(run.q32, q_elems);
   if (q_is_fp32)
-    memcpy(run.q32.data(), q, q_elems * 4);
+    memcpy(q32, q, q_elems * 4);
   else
-    for (int64_t i = 0; i < q_elems; ++i) run.q32[i] = half_to_float(static_cast<const uint16_t*>(q)[i]);
+    for (int64_t i = 0; i < q_elems; ++i) q32[i] = half_to_float(static_cast<const uint16_t*>(q)[i]);
 
   AttendJob& job = run.job;
   job = AttendJob{};
@@ -467,8 +468,7 @@ void split_run(SeqRun& run, int64_t wanted) {
   job.row_blocks = row_blocks < 1 ? 1 : row_blocks;
   run.items = heads * job.splits * job.row_blocks;
   const int64_t partial_floats = heads * job.splits * job.rows * partial_stride(job);
-  if ((int64_t)run.partial.size() < partial_floats) run.partial.resize(partial_floats);
-  job.partial = run.partial.data();
+  job.partial = ensure(run.partial, partial_floats);
 }
 
 // The work items of several sequences in one parallel-for: item i belongs to the run whose
@@ -602,7 +602,7 @@ int pnmix_attend_paged_batch(const pnmix_layout* layout, const pnmix_paged_seque
     if (count && !seqs) return fail(PNMIX_ERR_NULL, "sequences pointer is null");
     const pnmix_layout& L = *layout;
     thread_local std::vector<SeqRun> runs;
-    if ((int64_t)runs.size() < count) runs.resize(count);
+    ensure(runs, count);
     double work = 0.0;
     for (int64_t i = 0; i < count; ++i) {
       const pnmix_paged_sequence& s = seqs[i];
