@@ -457,6 +457,8 @@ def eval_model(
     dtype: str = typer.Option("fp32", help="fp32, fp16 or bf16 model weights."),
     json_path: JsonOut = None,
     plot: Optional[Path] = typer.Option(None, help="Draw the figures into this PNG (needs matplotlib)."),
+    resume: Optional[Path] = typer.Option(None, help="An earlier --json report (it may be the --json file): "
+                                                     "the pass keys it asked are not asked again."),
 ) -> int:
     """KV-cache methods (pn-mix, KIVI, uniform, quanto) on a real model vs full precision: KL, perplexity, passkey."""
     from .io import check_distinct_outputs
@@ -466,7 +468,8 @@ def eval_model(
 
     return eval_command(model=model, methods=methods, config=config, task=task, contexts=contexts,
                         decode_tokens=decode_tokens, text=text, lengths=lengths, depths=depths, trials=trials,
-                        seed=seed, dtype=dtype, json_path=json_path, plot=plot, haystack_name=haystack)
+                        seed=seed, dtype=dtype, json_path=json_path, plot=plot, haystack_name=haystack,
+                        resume=resume)
 
 
 @command(app)

@@ -131,3 +131,90 @@ def test_bad_passkey_options_are_one_line(args, message, tiny_dir, tmp_path):
     assert result.exit_code == 2, result.output
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.output
     assert "Traceback" not in result.output
+
+
+# ---- --resume: keys an earlier report asked are not asked again ----------------------------------
+RESUME_ARGS = ("--task", "passkey,passkey-long", "--methods", "pnmix", "--lengths", 600, "--depths", "0.2,0.8")
+
+
+def counting_answers(monkeypatch, stop_after=None):
+    """Count the answers asked (and raise KeyboardInterrupt at answer ``stop_after``: a killed run)."""
+    from pnmix.hf.evaluate import passkey
+
+    asked, real = [], passkey.answer
+
+    def answer(*args, **kwargs):
+        if stop_after is not None and len(asked) == stop_after:
+            raise KeyboardInterrupt
+        asked.append(args[1].name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(passkey, "answer", answer)
+    return asked
+
+
+def cells(path):
+    return sorted((r["task"], r["method"], r["length"], r["depth"], r["trials"], r["accuracy"])
+                  for r in json.loads(path.read_text())["passkey"])
+
+
+def test_resume_asks_only_the_keys_the_earlier_report_lacks(tiny_dir, tmp_path, monkeypatch):
+    fresh, first, more = tmp_path / "fresh.json", tmp_path / "first.json", tmp_path / "more.json"
+    assert invoke(tiny_dir, *RESUME_ARGS, "--trials", 3, "--json", fresh)[0].exit_code == 0
+    assert invoke(tiny_dir, *RESUME_ARGS, "--trials", 1, "--json", first)[0].exit_code == 0
+    asked = counting_answers(monkeypatch)
+    result, _ = invoke(tiny_dir, *RESUME_ARGS, "--trials", 3, "--resume", first, "--json", more)
+    assert result.exit_code == 0, result.output
+    assert len(asked) == 2 * 2 * 2 * 2  # tasks x depths x methods x the two keys the first run lacked
+    assert cells(more) == cells(fresh) and "answers from --resume" in result.output
+
+
+def test_an_interrupted_run_resumes_from_its_own_report(tiny_dir, tmp_path, monkeypatch):
+    fresh, out = tmp_path / "fresh.json", tmp_path / "out.json"
+    assert invoke(tiny_dir, *RESUME_ARGS, "--trials", 2, "--json", fresh)[0].exit_code == 0
+    counting_answers(monkeypatch, stop_after=5)  # killed in the second cell
+    assert invoke(tiny_dir, *RESUME_ARGS, "--trials", 2, "--json", out)[0].exit_code != 0
+    saved = json.loads(out.read_text())["passkey"]
+    assert [(r["depth"], r["trials"]) for r in saved] == [(0.2, 2), (0.2, 2)]  # the one finished cell
+    monkeypatch.undo()
+    asked = counting_answers(monkeypatch)
+    result, _ = invoke(tiny_dir, *RESUME_ARGS, "--trials", 2, "--resume", out, "--json", out)
+    assert result.exit_code == 0, result.output
+    assert len(asked) == 3 * 2 * 2 and cells(out) == cells(fresh)  # the three cells it had not finished
+
+
+def test_a_resumed_cell_that_asked_more_keys_runs_again(tiny_dir, tmp_path, monkeypatch):
+    first, out = tmp_path / "first.json", tmp_path / "out.json"
+    assert invoke(tiny_dir, *RESUME_ARGS, "--trials", 2, "--json", first)[0].exit_code == 0
+    asked = counting_answers(monkeypatch)
+    result, _ = invoke(tiny_dir, *RESUME_ARGS, "--trials", 1, "--resume", first, "--json", out)
+    assert result.exit_code == 0, result.output
+    assert len(asked) == 4 * 2 and all(r["trials"] == 1 for r in json.loads(out.read_text())["passkey"])
+
+
+@pytest.mark.parametrize("change, message", [
+    (["--seed", 1], "was run with seed 0, this run with 1: its keys are other prompts"),
+    (["--haystack", "text"], "was run with haystack 'classic', this run with 'text'"),
+    (["--config", "CONFIG"], "ran method config with other settings"),
+])
+def test_resume_refuses_a_report_of_another_setup(change, message, tiny_dir, tmp_path):
+    first, config, other = tmp_path / "first.json", tmp_path / "a.json", tmp_path / "b.json"
+    config.write_text(json.dumps({"value_bits": 2}))
+    other.write_text(json.dumps({"value_bits": 3}))
+    args = ("--task", "passkey", "--methods", "pnmix", "--lengths", 600, "--depths", 0.5, "--trials", 1)
+    assert invoke(tiny_dir, *args, "--config", config, "--json", first)[0].exit_code == 0
+    change = [other if a == "CONFIG" else a for a in change]
+    result, lines = invoke(tiny_dir, *args, *change, "--resume", first)
+    assert result.exit_code == 2 and len(lines) == 1 and message in lines[0], result.output
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"results": []}', "is not a `pnmix eval --json` report (no passkey rows)"),
+    ('{"passkey": []}', "does not record its passkey setup"),
+    ('[1, 2', "JSON"),
+])
+def test_resume_refuses_a_file_that_is_no_report(content, message, tiny_dir, tmp_path):
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(content)
+    result, lines = invoke(tiny_dir, "--task", "passkey", "--lengths", 600, "--resume", earlier)
+    assert result.exit_code == 2 and len(lines) == 1 and message in lines[0], result.output

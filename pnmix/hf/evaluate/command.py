@@ -17,6 +17,7 @@ from .inputs import load_text_tokens, read_text
 from .kl import kl_task
 from .methods import methods_table, parse_methods, pnmix_config
 from .passkey import HAYSTACKS, VARIANTS, Filler, classic_filler, haystack, passkey_task, text_filler
+from .resume import Earlier, load_earlier, method_settings, passkey_setup
 from .report import print_tables, render_plot, require_matplotlib
 
 
@@ -75,7 +76,7 @@ def check_positions(model_config: Any, source_name: str, contexts: Sequence[int]
 def eval_command(model: Optional[str], methods: Optional[str], config: Optional[Path], task: str,
                  contexts: str, decode_tokens: int, text: Optional[Path], lengths: str, depths: str,
                  trials: int, seed: int, dtype: str, json_path: Optional[Path], plot: Optional[Path],
-                 haystack_name: str = "classic") -> int:
+                 haystack_name: str = "classic", resume: Optional[Path] = None) -> int:
     if methods is not None and methods.strip() == "list":
         print(methods_table())
         return 0
@@ -116,6 +117,8 @@ def eval_command(model: Optional[str], methods: Optional[str], config: Optional[
     for length in length_list:  # a too-short text or length fails before the model loads
         for variant in variants:
             haystack(tokens, filler, length, 0.5, "0" * variant.key_digits, variant.answer_tokens)
+    setup = passkey_setup(source.name, dtype, seed, filler)
+    earlier = load_earlier(resume, setup, method_list) if resume is not None else Earlier()
     register()
     lm = load_causal_lm(source, dtype, model_config=model_config)
     progress = _progress()
@@ -124,16 +127,30 @@ def eval_command(model: Optional[str], methods: Optional[str], config: Optional[
         id_tensor = torch.tensor([ids[:longest]], dtype=torch.long, device=lm.device)
         for context in context_list:
             results += kl_task(lm, method_list, id_tensor, context, decode_tokens, progress)
-    passkey = [row for variant in variants for row in passkey_task(
-        lm, method_list, tokens, filler, length_list, depth_list, trials, seed, progress, variant)]
-    report = {"model": source.name, "results": results, "passkey": passkey}
+    check_finite({"results": results, "passkey": []}, source.name)  # before any report is written
+    report: Dict[str, Any] = {"model": source.name, "results": results, "passkey": [],
+                              "passkey_setup": setup, "methods": method_settings(method_list)}
+
+    def save(rows: List[Dict[str, Any]]) -> None:  # after every cell: an interrupted run can --resume
+        if json_path is not None:
+            done = report["passkey"] + rows
+            write_report(json_path, {**report, "passkey": done + earlier.pending(done)})
+
+    for variant in variants:
+        report["passkey"] += passkey_task(lm, method_list, tokens, filler, length_list, depth_list, trials, seed,
+                                          progress, variant, earlier, save)
     check_finite(report, source.name)
     print_tables(report)
-    if json_path is not None:  # JSON has no NaN/Infinity: refuse one rather than write it bare
-        write_bytes_atomic(json_path, (json.dumps(report, indent=2, allow_nan=False) + "\n").encode())
+    if json_path is not None:
+        write_report(json_path, report)
     if plot is not None:
         write_bytes_atomic(plot, render_plot(report))
     return 0
+
+
+def write_report(path: Path, report: Dict[str, Any]) -> None:
+    # JSON has no NaN/Infinity: refuse one rather than write it bare
+    write_bytes_atomic(path, (json.dumps(report, indent=2, allow_nan=False) + "\n").encode())
 
 
 def passkey_filler(name: str, tokens, ids: List[int], lengths: Sequence[int]) -> Filler:

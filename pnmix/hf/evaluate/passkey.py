@@ -8,13 +8,16 @@ from __future__ import annotations
 import dataclasses
 import random
 import re
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
 from ...errors import PnMixError
 from .methods import Method, attention_for, reuse_dequantized, seeded_cache
 from .prefill import Prefill, attention, decode_step, run_prefill
+
+if TYPE_CHECKING:
+    from .resume import Earlier
 
 
 HEADER = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -131,23 +134,32 @@ def cell_rows(variant: Variant, filler: Filler, methods: List[Method], length: i
 
 def passkey_task(model, methods: List[Method], text, filler: Filler, lengths: Sequence[int],
                  depths: Sequence[float], trials: int, seed: int, progress: Callable[[str], None],
-                 variant: Variant = VARIANTS["passkey"]) -> List[Dict[str, Any]]:
-    rows = []
+                 variant: Variant = VARIANTS["passkey"], earlier: Optional["Earlier"] = None,
+                 on_cell: Callable[[List[Dict[str, Any]]], None] = lambda rows: None) -> List[Dict[str, Any]]:
+    """Every cell's rows; a method asks only the keys ``earlier`` has not (its counts carry over),
+    and ``on_cell`` sees the rows so far after each cell."""
+    rows: List[Dict[str, Any]] = []
     for length in lengths:
         for depth in depths:
-            right = {m.name: 0 for m in methods}
+            start = {m.name: earlier.take(variant.task, m.name, length, depth, trials) if earlier else (0, 0)
+                     for m in methods}
+            right = {name: done_right for name, (_, done_right) in start.items()}
             shared: Optional[Prefill] = None
-            for trial in range(trials):
+            for trial in range(min(asked for asked, _ in start.values()), trials):
                 key = passkey_key(seed, length, depth, trial, variant.key_digits)
                 hay = haystack(text, filler, length, depth, key, variant.answer_tokens)
                 if shared is None:  # the filler before the needle does not depend on the key
                     shared = run_prefill(model, torch.tensor([hay.prefix], device=model.device))
                 prefill = run_prefill(model, torch.tensor([hay.suffix], device=model.device), start=shared)
                 for method in methods:
-                    said = answer(model, method, prefill, hay.question, text, variant.answer_tokens)
-                    right[method.name] += first_number(said) == key
+                    if trial >= start[method.name][0]:
+                        said = answer(model, method, prefill, hay.question, text, variant.answer_tokens)
+                        right[method.name] += first_number(said) == key
             rows += cell_rows(variant, filler, methods, length, depth, right, trials)
+            on_cell(rows)
             flag = "  (the reference fails here)" if rows[-1]["reference_fails"] else ""
+            reused = sum(asked for asked, _ in start.values())
             progress(f"{variant.task} L={length} d={depth}: "
-                     + ", ".join(f"{m.name} {right[m.name]}/{trials}" for m in methods) + flag)
+                     + ", ".join(f"{m.name} {right[m.name]}/{trials}" for m in methods) + flag
+                     + (f"  ({reused} answers from --resume)" if reused else ""))
     return rows
