@@ -119,8 +119,10 @@ def test_eval_reports_every_method_in_the_documented_shape(tiny_dir, tmp_path):
     result, _ = invoke(*args)
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
-    assert set(report) == {"model", "results", "passkey"} and report["model"] == tiny_dir.name
+    assert set(report) == {"model", "results", "passkey", "passkey_setup", "methods"}
+    assert report["model"] == tiny_dir.name and report["passkey_setup"]["model"] == tiny_dir.name
     names = [m for m in METHODS if METHODS[m].cache != "quanto" or QUANTO is None]
+    assert set(report["methods"]) == set(names) and report["methods"]["fp16"]["cache"] == "dynamic"
     assert [r["method"] for r in report["results"]] == names * 2
     fields = {"task", "context", "decode_tokens", "method", "kl", "perplexity", "ppl_delta", "top1", "bytes",
               "bits_per_element", "tokens_per_s"}

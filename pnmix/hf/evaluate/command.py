@@ -16,8 +16,9 @@ from ...io import JsonReport, check_output_path, write_bytes_atomic
 from .inputs import load_text_tokens, read_text
 from .kl import kl_task
 from .methods import methods_table, parse_methods, pnmix_config
-from .passkey import HAYSTACKS, VARIANTS, Filler, classic_filler, haystack, passkey_task, text_filler
-from .resume import Earlier, load_earlier, method_settings, passkey_setup
+from .passkey import (HAYSTACKS, VARIANTS, Filler, classic_filler, haystack, passkey_setup, passkey_task,
+                      text_filler)
+from .resume import Earlier, load_earlier, method_settings
 from .report import print_tables, render_plot, require_matplotlib
 
 

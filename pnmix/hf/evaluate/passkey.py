@@ -6,9 +6,11 @@ where the full-precision reference itself fails is flagged: there the task does 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import random
 import re
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -16,8 +18,7 @@ from ...errors import PnMixError
 from .methods import Method, attention_for, reuse_dequantized, seeded_cache
 from .prefill import Prefill, attention, decode_step, run_prefill
 
-if TYPE_CHECKING:
-    from .resume import Earlier
+from .resume import Earlier
 
 
 HEADER = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -79,6 +80,14 @@ def text_filler(ids: List[int]) -> Filler:
     return Filler(list(ids), 1, "text")
 
 
+def passkey_setup(model: str, dtype: str, seed: int, filler: Filler) -> Dict[str, Any]:
+    """What fixes a trial's prompt and its model beside the method: a report records it. The
+    classic filler is one sentence's tokens repeated (as many times as the longest length needs)."""
+    source = filler.ids[:filler.unit] if filler.name == "classic" else filler.ids
+    digest = hashlib.sha256(json.dumps(source).encode()).hexdigest()
+    return {"model": model, "dtype": dtype, "seed": seed, "haystack": filler.name, "filler_sha256": digest}
+
+
 @dataclasses.dataclass
 class Haystack:
     """A passkey sequence of ``length`` tokens in all: haystack (prefix, needle, rest), question,
@@ -134,7 +143,7 @@ def cell_rows(variant: Variant, filler: Filler, methods: List[Method], length: i
 
 def passkey_task(model, methods: List[Method], text, filler: Filler, lengths: Sequence[int],
                  depths: Sequence[float], trials: int, seed: int, progress: Callable[[str], None],
-                 variant: Variant = VARIANTS["passkey"], earlier: Optional["Earlier"] = None,
+                 variant: Variant = VARIANTS["passkey"], earlier: Optional[Earlier] = None,
                  on_cell: Callable[[List[Dict[str, Any]]], None] = lambda rows: None) -> List[Dict[str, Any]]:
     """Every cell's rows; a method asks only the keys ``earlier`` has not (its counts carry over),
     and ``on_cell`` sees the rows so far after each cell."""

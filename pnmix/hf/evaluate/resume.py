@@ -10,28 +10,17 @@ more keys than this run wants, runs from the first key."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Tuple
 
 from ...errors import PnMixError
 from .methods import Method
-from .passkey import Filler
 
 CellKey = Tuple[str, str, int, float]  # task, method, length, depth
 
 
 def cell_key(row: Mapping[str, Any]) -> CellKey:
     return str(row["task"]), str(row["method"]), int(row["length"]), float(row["depth"])
-
-
-def passkey_setup(model: str, dtype: str, seed: int, filler: Filler) -> Dict[str, Any]:
-    """What fixes a trial's prompt and its model beside the method: a report records it. The
-    classic filler is one sentence's tokens repeated (as many times as the longest length needs)."""
-    source = filler.ids[:filler.unit] if filler.name == "classic" else filler.ids
-    digest = hashlib.sha256(json.dumps(source).encode()).hexdigest()
-    return {"model": model, "dtype": dtype, "seed": seed, "haystack": filler.name, "filler_sha256": digest}
 
 
 def method_settings(methods: List[Method]) -> Dict[str, Dict[str, Any]]:
