@@ -28,6 +28,12 @@ def invoke(*args):
     return result, [line for line in result.output.splitlines() if line.strip()]
 
 
+def assert_one_line_error(result, lines, message):
+    assert result.exit_code == 2, result.output
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.output
+    assert "Traceback" not in result.output
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tiny_llama_1k_dir):
     return tiny_llama_1k_dir
@@ -127,10 +133,7 @@ def test_bad_passkey_options_are_one_line(args, message, tiny_dir, tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("To be, or not to be.")
     args = [short if a == "SHORT" else a for a in args]
-    result, lines = invoke(tiny_dir, "--task", "passkey", "--lengths", 600, *args)
-    assert result.exit_code == 2, result.output
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.output
-    assert "Traceback" not in result.output
+    assert_one_line_error(*invoke(tiny_dir, "--task", "passkey", "--lengths", 600, *args), message)
 
 
 # ---- --resume: keys an earlier report asked are not asked again ----------------------------------
@@ -204,8 +207,7 @@ def test_resume_refuses_a_report_of_another_setup(change, message, tiny_dir, tmp
     args = ("--task", "passkey", "--methods", "pnmix", "--lengths", 600, "--depths", 0.5, "--trials", 1)
     assert invoke(tiny_dir, *args, "--config", config, "--json", first)[0].exit_code == 0
     change = [other if a == "CONFIG" else a for a in change]
-    result, lines = invoke(tiny_dir, *args, *change, "--resume", first)
-    assert result.exit_code == 2 and len(lines) == 1 and message in lines[0], result.output
+    assert_one_line_error(*invoke(tiny_dir, *args, *change, "--resume", first), message)
 
 
 @pytest.mark.parametrize("content, message", [
@@ -216,5 +218,4 @@ def test_resume_refuses_a_report_of_another_setup(change, message, tiny_dir, tmp
 def test_resume_refuses_a_file_that_is_no_report(content, message, tiny_dir, tmp_path):
     earlier = tmp_path / "earlier.json"
     earlier.write_text(content)
-    result, lines = invoke(tiny_dir, "--task", "passkey", "--lengths", 600, "--resume", earlier)
-    assert result.exit_code == 2 and len(lines) == 1 and message in lines[0], result.output
+    assert_one_line_error(*invoke(tiny_dir, "--task", "passkey", "--lengths", 600, "--resume", earlier), message)

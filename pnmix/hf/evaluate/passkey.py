@@ -17,7 +17,6 @@ import torch
 from ...errors import PnMixError
 from .methods import Method, attention_for, reuse_dequantized, seeded_cache
 from .prefill import Prefill, attention, decode_step, run_prefill
-
 from .resume import Earlier
 
 
@@ -143,15 +142,14 @@ def cell_rows(variant: Variant, filler: Filler, methods: List[Method], length: i
 
 def passkey_task(model, methods: List[Method], text, filler: Filler, lengths: Sequence[int],
                  depths: Sequence[float], trials: int, seed: int, progress: Callable[[str], None],
-                 variant: Variant = VARIANTS["passkey"], earlier: Optional[Earlier] = None,
+                 variant: Variant = VARIANTS["passkey"], earlier: Earlier = Earlier(),
                  on_cell: Callable[[List[Dict[str, Any]]], None] = lambda rows: None) -> List[Dict[str, Any]]:
     """Every cell's rows; a method asks only the keys ``earlier`` has not (its counts carry over),
     and ``on_cell`` sees the rows so far after each cell."""
     rows: List[Dict[str, Any]] = []
     for length in lengths:
         for depth in depths:
-            start = {m.name: earlier.take(variant.task, m.name, length, depth, trials) if earlier else (0, 0)
-                     for m in methods}
+            start = {m.name: earlier.take(variant.task, m.name, length, depth, trials) for m in methods}
             right = {name: done_right for name, (_, done_right) in start.items()}
             shared: Optional[Prefill] = None
             for trial in range(min(asked for asked, _ in start.values()), trials):

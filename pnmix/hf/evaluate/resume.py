@@ -29,22 +29,23 @@ def method_settings(methods: List[Method]) -> Dict[str, Dict[str, Any]]:
 
 @dataclasses.dataclass(frozen=True)
 class Earlier:
-    """An earlier report's passkey cells: per (task, method, length, depth), keys asked and keys right."""
+    """An earlier report's passkey rows this run may reuse, by cell (task, method, length, depth)."""
 
-    asked: Mapping[CellKey, Tuple[int, int]] = dataclasses.field(default_factory=dict)
-    rows: List[Dict[str, Any]] = dataclasses.field(default_factory=list)  # the report's rows this run may reuse
+    cells: Mapping[CellKey, Dict[str, Any]] = dataclasses.field(default_factory=dict)
 
     def take(self, task: str, method: str, length: int, depth: float, trials: int) -> Tuple[int, int]:
         """(keys asked, keys right) to start from: none where the earlier run asked more keys than
         ``trials`` (which of them were right is not known)."""
-        asked, right = self.asked.get((task, method, length, depth), (0, 0))
-        return (asked, right) if asked <= trials else (0, 0)
+        row = self.cells.get((task, method, length, depth))
+        if row is None or row["trials"] > trials:
+            return 0, 0
+        return row["trials"], round(row["accuracy"] * row["trials"])
 
     def pending(self, done: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         """The earlier rows of cells not in ``done``: a report written mid-run keeps them, so that
         resuming from it (even from the file it overwrites) loses no key already asked."""
         finished = {cell_key(row) for row in done}
-        return [row for row in self.rows if cell_key(row) not in finished]
+        return [row for key, row in self.cells.items() if key not in finished]
 
 
 def load_earlier(path: Path, setup: Mapping[str, Any], methods: List[Method]) -> Earlier:
@@ -67,12 +68,11 @@ def load_earlier(path: Path, setup: Mapping[str, Any], methods: List[Method]) ->
     recorded = report.get("methods")
     settings: Dict[str, Any] = recorded if isinstance(recorded, dict) else {}
     current = method_settings(methods)
-    asked: Dict[CellKey, Tuple[int, int]] = {}
-    rows: List[Dict[str, Any]] = []
+    cells: Dict[CellKey, Dict[str, Any]] = {}
     for row in report["passkey"]:
         try:
             key = cell_key(row)
-            trials, accuracy = int(row["trials"]), float(row["accuracy"])
+            checked = {**row, "trials": int(row["trials"]), "accuracy": float(row["accuracy"])}
         except (TypeError, KeyError, ValueError):
             raise PnMixError(f"{where}: a passkey row lacks task, method, length, depth, trials or "
                              f"accuracy: {row!r}"[:300]) from None
@@ -82,7 +82,6 @@ def load_earlier(path: Path, setup: Mapping[str, Any], methods: List[Method]) ->
         if settings.get(name) != current[name]:
             raise PnMixError(f"{where} ran method {name} with other settings ({settings.get(name)!r}); "
                              f"this run's are {current[name]!r}")
-        asked[key] = (trials, round(accuracy * trials))
-        rows.append(row)
-    return Earlier(asked, rows)
+        cells[key] = checked
+    return Earlier(cells)
 
