@@ -34,11 +34,16 @@ enum class Isa { kAuto, kScalar, kAvx2, kAvx512, kAvx512Vbmi, kAvx512Vnni };
 Isa forced_isa = Isa::kAuto;
 
 // F16C from cpuid leaf 1 (not every compiler's __builtin_cpu_supports knows "f16c"); the OS's
-// saving of the AVX registers is covered by the "avx2" check.
+// saving of the AVX registers is covered by the "avx2" check. Asked once: in a virtual machine
+// cpuid traps to the hypervisor (11 us on this project's Firecracker VM), and every attention call
+// asks which kernel to run.
 bool cpu_has_f16c() {
 #if defined(PNMIX_HAVE_X86_KERNELS)
-  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C);
+  static const bool has = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    return __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C);
+  }();
+  return has;
 #else
   return false;
 #endif
