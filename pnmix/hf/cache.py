@@ -426,9 +426,11 @@ class PnMixCache(Cache):
         self.record_past = False
         super().__init__(layers=[])  # layers are made on first use, each knowing its index
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, **kwargs: Any) -> None:
         """Keep what crop needs to take tokens back (transformers calls it before assisted
-        decoding, before the prefill: layers made later record too)."""
+        decoding, before the prefill: layers made later record too). Keyword arguments are
+        accepted and ignored: transformers 5.25 passes `recurrent_states_to_keep`, which concerns
+        linear-attention layers; every token of an attention layer is kept anyway."""
         self.record_past = True
         for layer in self.pnmix_layers:
             layer.activate_past_recording()
