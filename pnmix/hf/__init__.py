@@ -1,7 +1,8 @@
 """pn-mix in Hugging Face transformers 5.x (docs/HF.md).
 
 * ``PnMixCache``: transformers' Cache with one packed pn-mix cache per layer; pass it to
-  ``model.generate(..., past_key_values=PnMixCache())`` (or ``cache=``) or to forward calls.
+  ``model.generate(..., cache=PnMixCache())`` or to forward calls (``past_key_values=``, the older
+  name, warns from transformers 5.25 on).
 * the ``pnmix`` attention implementation (registered on import): reads the packed cache through
   the backend kernels instead of a dequantized copy.
 * ``pnmix eval`` (pnmix.hf.evaluate.command): KV-cache methods (pn-mix, KIVI, uniform, quanto) on a real model,

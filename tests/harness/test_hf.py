@@ -46,7 +46,7 @@ def tokens(n: int, batch: int = 1, seed: int = 1) -> torch.Tensor:
 def test_generate_with_pnmix_cache_runs_and_quantizes(model):
     ids = tokens(200)
     cache = PnMixCache()
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=32, do_sample=False)
+    out = model.generate(ids, cache=cache, max_new_tokens=32, do_sample=False)
     assert out.shape == (1, 232)
     assert cache.get_seq_length() == 231  # the last generated token is never fed back
     lengths = cache.layers[0].packed.lengths()
@@ -79,7 +79,7 @@ def test_greedy_generation_agrees_across_attention_paths(model):
     outs = []
     for impl in ("sdpa", "pnmix"):
         model.set_attn_implementation(impl)
-        outs.append(model.generate(ids, past_key_values=PnMixCache(), max_new_tokens=16, do_sample=False))
+        outs.append(model.generate(ids, cache=PnMixCache(), max_new_tokens=16, do_sample=False))
     assert torch.equal(outs[0], outs[1])
 
 
@@ -94,13 +94,13 @@ def test_other_llama_family_models_generate_on_both_paths(family):
     for impl in ("sdpa", "pnmix"):
         other.set_attn_implementation(impl)
         cache = PnMixCache(model_config=other.config)
-        outs.append(other.generate(tokens(170, seed=6), past_key_values=cache, max_new_tokens=4, do_sample=False))
+        outs.append(other.generate(tokens(170, seed=6), cache=cache, max_new_tokens=4, do_sample=False))
         assert cache.layers[0].packed.lengths().groups == 1
     assert outs[0].shape == (1, 174) and torch.equal(outs[0], outs[1])
     if family == "Mistral":  # a sliding window shorter than the sequence: pn-mix never drops tokens
         other.config.sliding_window = 64
         with pytest.raises(PnMixError, match="sliding window"):
-            other.generate(tokens(100), past_key_values=PnMixCache(), max_new_tokens=2)
+            other.generate(tokens(100), cache=PnMixCache(), max_new_tokens=2)
 
 
 def test_backend_can_be_named(model):
@@ -113,7 +113,7 @@ def test_backend_can_be_named(model):
 
 
 def test_beam_search_reorders_packed_rows(model):
-    out = model.generate(tokens(170, seed=5), past_key_values=PnMixCache(), num_beams=2, max_new_tokens=6,
+    out = model.generate(tokens(170, seed=5), cache=PnMixCache(), num_beams=2, max_new_tokens=6,
                          do_sample=False)
     assert out.shape == (1, 176)
 

@@ -44,7 +44,7 @@ def prompt(n=70):
 def filled_cache(model, n=70):
     cache = PnMixCache(**SMALL)
     with torch.no_grad():
-        logits = model(prompt(n), past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = model(prompt(n), cache=cache, use_cache=True).logits[:, -1]
     return cache, logits
 
 
@@ -64,7 +64,7 @@ def greedy(model, cache, logits, steps=24):
         for _ in range(steps):
             token = logits.argmax(-1, keepdim=True)
             ids.append(int(token))
-            logits = model(token, past_key_values=cache, use_cache=True).logits[:, -1]
+            logits = model(token, cache=cache, use_cache=True).logits[:, -1]
     return ids, logits
 
 
@@ -112,7 +112,7 @@ def test_one_prompt_cache_serves_several_continuations(model, attention):
     for first in (5, 77):
         twin = copy.deepcopy(cache)
         with torch.no_grad():
-            got = model(torch.tensor([[first]]), past_key_values=twin, use_cache=True).logits[:, -1]
+            got = model(torch.tensor([[first]]), cache=twin, use_cache=True).logits[:, -1]
             fresh, _ = filled_cache(model)
-            want = model(torch.tensor([[first]]), past_key_values=fresh, use_cache=True).logits[:, -1]
+            want = model(torch.tensor([[first]]), cache=fresh, use_cache=True).logits[:, -1]
         torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -193,18 +193,18 @@ def test_assisted_decoding_equals_feeding_the_kept_chunks(model, draft):
     PnMixCache fed the same kept chunks, one forward each: the crops leave no trace. Where every
     forward keeps one token, that is plain greedy decoding."""
     cache = LoggedCache(**SMALL)
-    out = model.generate(PROMPT, past_key_values=cache, max_new_tokens=60, do_sample=False, **DRAFTS[draft]())[0]
+    out = model.generate(PROMPT, cache=cache, max_new_tokens=60, do_sample=False, **DRAFTS[draft]())[0]
     assert sum(cache.kept) == cache.get_seq_length() == len(out) - 1 and cache.removed > 0
     replay, start = PnMixCache(**SMALL), 0
     with torch.no_grad():
         for size in cache.kept:
-            logits = model(out[None, start:start + size], past_key_values=replay, use_cache=True).logits[0]
+            logits = model(out[None, start:start + size], cache=replay, use_cache=True).logits[0]
             start += size
             predicted = logits[max(0, PROMPT.shape[1] - 1 - (start - size)):].argmax(-1)
             first = max(start - size + 1, PROMPT.shape[1])
             assert predicted.tolist() == out[first:start + 1].tolist()
     if max(cache.kept[1:]) == 1:
-        plain = model.generate(PROMPT, past_key_values=PnMixCache(**SMALL), max_new_tokens=60, do_sample=False)
+        plain = model.generate(PROMPT, cache=PnMixCache(**SMALL), max_new_tokens=60, do_sample=False)
         assert out.tolist() == plain[0].tolist()
     else:
         assert draft != "another assistant"

@@ -22,7 +22,7 @@ def test_fullgraph_compile_stops_at_the_cache_saying_why():
     assert PnMixCache(**SMALL).is_compileable is False
     forward = torch.compile(model.forward, fullgraph=True)
     with torch.no_grad(), pytest.raises(Exception) as error:
-        forward(input_ids=torch.randint(1, 256, (1, 30)), past_key_values=PnMixCache(**SMALL), use_cache=True)
+        forward(input_ids=torch.randint(1, 256, (1, 30)), cache=PnMixCache(**SMALL), use_cache=True)
     assert COMPILE_REASON in str(error.value)
 
 
@@ -34,8 +34,8 @@ def test_compile_without_fullgraph_computes_what_eager_does():
     compiled, eager = PnMixCache(**SMALL), PnMixCache(**SMALL)
     with torch.no_grad():
         for _ in range(4):
-            got = forward(input_ids=ids, past_key_values=compiled, use_cache=True).logits[:, -1]
-            want = model(input_ids=ids, past_key_values=eager, use_cache=True).logits[:, -1]
+            got = forward(input_ids=ids, cache=compiled, use_cache=True).logits[:, -1]
+            want = model(input_ids=ids, cache=eager, use_cache=True).logits[:, -1]
             torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
             ids = want.argmax(-1, keepdim=True)
     assert compiled.get_seq_length() == eager.get_seq_length() == 33

@@ -45,7 +45,7 @@ def left_padded(rows, extra=0):
 
 def generate(model, ids, mask=None, new=40, cache=None):
     cache = cache if cache is not None else PnMixCache(**SMALL)
-    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new, do_sample=False,
+    out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=new, do_sample=False,
                          output_scores=True, return_dict_in_generate=True)
     return out.sequences[:, ids.shape[1]:], torch.stack(out.scores, 1), cache
 
@@ -82,10 +82,10 @@ def test_one_prompt_with_extra_left_padding_gives_what_it_gives_alone(model):
 def test_beam_search_over_a_padded_batch(model):
     rows = prompts()[:2]
     ids, mask = left_padded(rows)
-    out = model.generate(ids, attention_mask=mask, past_key_values=PnMixCache(**SMALL), max_new_tokens=12,
+    out = model.generate(ids, attention_mask=mask, cache=PnMixCache(**SMALL), max_new_tokens=12,
                          num_beams=3, do_sample=False)
     for b, row in enumerate(rows):
-        alone = model.generate(row[None], past_key_values=PnMixCache(**SMALL), max_new_tokens=12, num_beams=3,
+        alone = model.generate(row[None], cache=PnMixCache(**SMALL), max_new_tokens=12, num_beams=3,
                                do_sample=False)
         assert out[b, ids.shape[1]:].tolist() == alone[0, len(row):].tolist()
 

@@ -59,13 +59,13 @@ def pnmixcache_greedy(model, prompt, steps, chunk=None, forced=None):
     chunk = chunk or len(prompt)
     with torch.no_grad():
         for start in range(0, len(prompt), chunk):
-            logits = model(input_ids=torch.tensor([prompt[start:start + chunk]]), past_key_values=cache,
+            logits = model(input_ids=torch.tensor([prompt[start:start + chunk]]), cache=cache,
                            use_cache=True).logits[0, -1]
         tokens, all_logits = [], []
         for step in range(steps):
             all_logits.append(logits.float())
             tokens.append(int(logits.argmax()) if forced is None else forced[step])
-            logits = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True).logits[0, -1]
+            logits = model(input_ids=torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True).logits[0, -1]
     return tokens, all_logits
 
 
