@@ -32,6 +32,34 @@ def cpu_flags() -> Set[str]:
     return set((cpuinfo_field("flags") or "").split())
 
 
+def parse_cache_size(text: str) -> Optional[int]:
+    """Bytes of a sysfs cache size ("491520K", "32M", "1024"), or None if it is not one."""
+    text = text.strip()
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    factor = units.get(text[-1:].upper(), 1)
+    digits = text[:-1] if text[-1:].upper() in units else text
+    return int(digits) * factor if digits.isdigit() else None
+
+
+def last_level_cache_bytes(cpu_dir: str = "/sys/devices/system/cpu/cpu0/cache") -> Optional[int]:
+    """The largest cache of CPU 0 as Linux's sysfs lists it (its L3 on the machines we target), or
+    None where there is no such listing."""
+    try:
+        entries = os.listdir(cpu_dir)
+    except OSError:
+        return None
+    sizes = []
+    for entry in entries:
+        try:
+            with open(os.path.join(cpu_dir, entry, "size"), encoding="utf-8") as f:
+                size = parse_cache_size(f.read())
+        except OSError:
+            continue
+        if size:
+            sizes.append(size)
+    return max(sizes) if sizes else None
+
+
 def load_average() -> Optional[List[float]]:
     """The 1, 5 and 15 minute load averages, or None where the system has none: a figure taken on
     a busy machine says so next to it."""

@@ -56,6 +56,19 @@ def pytest_make_collect_report(collector):
     _fail_core_skip(outcome.get_result())
 
 
+@pytest.fixture(autouse=True, scope="session")
+def small_bandwidth_probe():
+    """The bench's bandwidth probe at its 256 MiB floor: on a machine with a large L3 its full size
+    (4x the cache, up to 4 GiB) costs each bench test a second and gigabytes for a figure the
+    tests only check for shape. test_the_bandwidth_probe_outgrows_the_last_level_cache tests the
+    sizing."""
+    from pnmix.bench import decode
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(decode, "last_level_cache_bytes", lambda: None)
+        yield
+
+
 @pytest.fixture
 def other_config() -> PnMixConfig:
     return PnMixConfig(**OTHER_CONFIG)

@@ -39,8 +39,9 @@ dequantized fp32 copy of the cache, counted too.
 
 The limit, measured in the same run: ``machine.stream_gbs`` is the machine's streaming read
 bandwidth with the same thread count (stream_read_gbs: the best of a few sums over a buffer far
-larger than the caches); each result's ``gbs`` (= ``gbps``) is its bytes read per second and
-``bandwidth_fraction`` the share of that limit it reaches.
+larger than the caches, 4x the last-level cache and at least 256 MiB: ``machine.stream_bytes``);
+each result's ``gbs`` (= ``gbps``) is its bytes read per second and ``bandwidth_fraction`` the
+share of that limit it reaches.
 
 The other limit, in the same run: ``machine.matmul_gflops`` is the machine's fp32 arithmetic rate
 with the same thread count (matmul_gflops: the best of a few fp32 matrix products small enough to
@@ -73,7 +74,7 @@ from pnmix import defaults
 from pnmix.config import MAX_BATCH, MAX_HEAD_DIM, MAX_KV_HEADS, MAX_SEQ_LEN, PnMixConfig, run_config
 from pnmix.errors import PnMixError, describe
 from pnmix.format import STATE_DTYPES, CacheLayout
-from pnmix.machine import check_threads, describe_machine, resolve_device
+from pnmix.machine import check_threads, describe_machine, last_level_cache_bytes, resolve_device
 from pnmix.bench.ort_peers import DENSE as ORT_DENSE
 from pnmix.bench.ort_peers import MODES as ORT_MODES
 from pnmix.bench.report import optional_text, print_table, run_report, skipped_notes
@@ -89,7 +90,9 @@ PACKED_CORE = {"core": "fp32", "core_int8": "int8"}  # libpnmix_core's rows and 
 PACKED_IMPLS = ("core", "core_int8", "triton", "cuda")
 ALL_IMPLS = CPU_IMPLS + GPU_IMPLS
 GPU_FACTORIES = {"triton": "pnmix.backends.triton_ops:bench_factory", "cuda": "pnmix.backends.cuda_ops:bench_factory"}
-STREAM_BYTES = 256 << 20  # the bandwidth probe's buffer: 8x a 32 MiB L3, so it streams from memory
+STREAM_MIN_BYTES = 256 << 20  # the bandwidth probe's buffer: at least this,
+STREAM_CACHE_MULTIPLE = 4  # and this many times the last-level cache (so it streams from memory),
+STREAM_MAX_BYTES = 4 << 30  # but no more than this
 STREAM_RUNS = 5
 MATMUL_SIZE = 512  # the compute probe's square fp32 matrices: 3 MiB, cache-resident on the CPUs we target
 MATMUL_RUNS = 20
@@ -251,7 +254,7 @@ def memory_needed(layout: CacheLayout, q_heads: int, names: List[str], device: s
     n = layout.max_seq_len
     dense = dense_bytes(layout, n, 1)  # bytes per byte of element size: 2 * B * H * N * D
     packed = state_bytes(layout)
-    host = 2 * dense + packed + 2 * layout.batch * q_heads * layout.head_dim + STREAM_BYTES
+    host = 2 * dense + packed + 2 * layout.batch * q_heads * layout.head_dim + stream_probe_bytes()
     extra = {"cpu": 0, device: 0}
     for name in names:
         where = "cpu" if name == "core" or name in ORT_MODES or device == "cpu" else device
@@ -322,10 +325,20 @@ def _best_seconds(threads: int, fn: Callable[[], object], runs: int) -> float:
         return best_seconds(fn, runs)
 
 
-def stream_read_gbs(threads: int, nbytes: int = STREAM_BYTES, runs: int = STREAM_RUNS) -> float:
+def stream_probe_bytes() -> int:
+    """The bandwidth probe's buffer size: 4x this machine's last-level cache, within 256 MiB-4 GiB.
+    A fixed 256 MiB read 25 GB/s on a Xeon VM with a 480 MiB L3, where 1 and 2 GiB read 29-31:
+    partly cached, it measured neither the cache nor the memory."""
+    cache = last_level_cache_bytes() or 0
+    return min(max(STREAM_MIN_BYTES, STREAM_CACHE_MULTIPLE * cache), STREAM_MAX_BYTES)
+
+
+def stream_read_gbs(threads: int, nbytes: Optional[int] = None, runs: int = STREAM_RUNS) -> float:
     """The machine's streaming read bandwidth in GB/s with `threads` threads: the best of `runs`
-    sums of an fp32 buffer far larger than the caches (torch's vectorized, multi-threaded
-    reduction reads each byte once and does one add per element, so memory is the limit)."""
+    sums of an fp32 buffer far larger than the caches (stream_probe_bytes; torch's vectorized,
+    multi-threaded reduction reads each byte once and does one add per element, so memory is the
+    limit)."""
+    nbytes = nbytes or stream_probe_bytes()
     buffer = torch.ones(nbytes // 4)
     return nbytes / _best_seconds(threads, buffer.sum, runs) / 1e9
 
@@ -389,7 +402,8 @@ def run_decode_bench(context: int, batch: int = defaults.DECODE_BATCH, q_heads: 
     if threads is not None:
         torch.set_num_threads(threads)
     used_threads = threads or torch.get_num_threads()
-    stream_gbs = stream_read_gbs(used_threads)
+    stream_bytes = stream_probe_bytes()
+    stream_gbs = stream_read_gbs(used_threads, stream_bytes)
     fp32_gflops = matmul_gflops(used_threads)
     register_rates = madd_rates(used_threads)
     flops = decode_flops(batch, q_heads, context, head_dim)
@@ -454,7 +468,8 @@ def run_decode_bench(context: int, batch: int = defaults.DECODE_BATCH, q_heads: 
         "core_isa": ctx.get("core_isa"),
         "results": results,
         "skipped": [{"impl": name, "reason": reason} for name, reason in skipped.items()],
-        "machine": {**describe_machine(device, used_threads), "stream_gbs": stream_gbs, "matmul_gflops": fp32_gflops,
+        "machine": {**describe_machine(device, used_threads), "stream_gbs": stream_gbs, "stream_bytes": stream_bytes,
+                    "last_level_cache_bytes": last_level_cache_bytes(), "matmul_gflops": fp32_gflops,
                     **register_rates},
     }
 
@@ -532,7 +547,10 @@ def _notes(report: dict) -> List[str]:
     if best:
         notes.append(f"best dense peer: {best}; max|diff| is vs the reference for the packed kernels, vs sdpa_fp32 "
                      f"for the others")
-    notes.append(f"streaming read bandwidth of this machine, {machine['threads']} threads: "
+    probe = f" over {machine['stream_bytes'] / 2**20:.0f} MiB" if machine.get("stream_bytes") else ""
+    cache = machine.get("last_level_cache_bytes")
+    probe += f" (last-level cache {cache / 2**20:.0f} MiB)" if probe and cache else ""
+    notes.append(f"streaming read bandwidth of this machine, {machine['threads']} threads{probe}: "
                  f"{machine['stream_gbs']:.1f} GB/s (\"of stream\" is each row's share of it)")
     if report["rounds"] > 1:
         spread = ", ".join(f"{r['impl']} {min(r['round_medians_ms']):.2f}-{max(r['round_medians_ms']):.2f}"

@@ -249,3 +249,20 @@ def test_rounds_take_the_calls_in_turn_after_untimed_warm_up_rounds(fake_clock):
     assert [t.samples_s for t in timings] == [(1.0,) * 6, (2.0,) * 6]
     assert list(round_order(["x", "y", "z"], 3, alternate=True)) == ["x", "y", "z", "z", "y", "x", "x", "y", "z"]
     assert list(round_order(["x", "y"], 2)) == ["x", "y", "x", "y"]
+
+
+def test_the_bandwidth_probe_outgrows_the_last_level_cache(monkeypatch, tmp_path):
+    """The probe's buffer is 4x the largest cache sysfs lists (a 256 MiB buffer half-fitted a 480 MiB
+    L3 and read 20% under the memory's rate), within its floor and ceiling."""
+    from pnmix import machine
+
+    for index, size in (("index0", "48K"), ("index2", "2048K"), ("index3", "491520K")):
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "size").write_text(size + "\n")
+    (tmp_path / "uevent").write_text("")  # not a cache entry: skipped
+    assert machine.last_level_cache_bytes(str(tmp_path)) == 480 << 20
+    assert machine.last_level_cache_bytes(str(tmp_path / "missing")) is None
+    assert [machine.parse_cache_size(t) for t in ("32M", "1G", "512", "x", "")] == [32 << 20, 1 << 30, 512, None, None]
+    for cache, probe in ((480 << 20, 1920 << 20), (32 << 20, 256 << 20), (None, 256 << 20), (8 << 30, 4 << 30)):
+        monkeypatch.setattr(bench, "last_level_cache_bytes", lambda cache=cache: cache)
+        assert bench.stream_probe_bytes() == probe
