@@ -66,7 +66,8 @@ def fp16_kv(k: torch.Tensor, v: torch.Tensor, device: torch.device, first_token:
     # One reduction per tensor, in fp32: finite fp16 values cannot overflow it, and a NaN or an
     # Inf anywhere makes the sum NaN or infinite (a decode step pays this per layer, so it is kept
     # to two small ops; the slow check below only names the culprit).
-    if math.isfinite(float(k16.sum(dtype=torch.float32)) + float(v16.sum(dtype=torch.float32))):
+    # (detached: K/V that carry autograd, a model run without no_grad, warn when read as floats)
+    if math.isfinite(float(k16.detach().sum(dtype=torch.float32)) + float(v16.detach().sum(dtype=torch.float32))):
         return k16, v16
     for name, t16 in (("keys", k16), ("values", v16)):
         if not bool(torch.isfinite(t16).all()):
