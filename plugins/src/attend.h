@@ -38,7 +38,13 @@ struct AttendJob {
   float* partial;
 };
 
-inline int64_t partial_stride(const AttendJob& job) { return job.L.head_dim + 2; }
+// Floats per row of `partial`: D + 2, rounded up to whole 64-byte cache lines. Each group writes its
+// rows (the softmax's rescale, the offsets' sums), and work items on different threads must not
+// share a line: a line written by both cores goes back and forth between them at every group.
+constexpr int64_t kFloatsPerLine = 16;
+inline int64_t partial_stride(const AttendJob& job) {
+  return (job.L.head_dim + 2 + kFloatsPerLine - 1) / kFloatsPerLine * kFloatsPerLine;
+}
 
 // Threads worth waking for a call: one per kMinBytesPerThread of packed bytes to read, or per
 // kMinDenseMacsPerThread multiply-adds of the queries against the fp16 tokens (a long chunk over

@@ -473,7 +473,9 @@ void split_run(SeqRun& run, int64_t wanted) {
   job.row_blocks = row_blocks < 1 ? 1 : row_blocks;
   run.items = heads * job.splits * job.row_blocks;
   const int64_t partial_floats = heads * job.splits * job.rows * partial_stride(job);
-  job.partial = ensure(run.partial, partial_floats);
+  // rows on cache-line boundaries (partial_stride): the vector's start rounded up to a line
+  float* base = ensure(run.partial, partial_floats + kFloatsPerLine);
+  job.partial = base + (-(reinterpret_cast<uintptr_t>(base) / sizeof(float)) & (kFloatsPerLine - 1));
 }
 
 // The work items of several sequences in one parallel-for: item i belongs to the run whose
