@@ -42,6 +42,15 @@ struct AttendJob {
 // rows (the softmax's rescale, the offsets' sums), and work items on different threads must not
 // share a line: a line written by both cores goes back and forth between them at every group.
 constexpr int64_t kFloatsPerLine = 16;
+// The first group of split s of a sequence's n groups cut into S splits. The splits shrink from
+// first to last (split s starts after n * (1 - (1 - s/S)^2) groups) and the items run split by
+// split, every KV head's first split first: the items claimed last are the smallest, so the
+// threads finish close together (with equal splits they finished a third of an item apart).
+inline int64_t split_first_group(int64_t s, int64_t S, int64_t n) {
+  const int64_t rest = S - s;
+  return n - n * rest * rest / (S * S);
+}
+
 inline int64_t partial_stride(const AttendJob& job) {
   return (job.L.head_dim + 2 + kFloatsPerLine - 1) / kFloatsPerLine * kFloatsPerLine;
 }
