@@ -13,8 +13,9 @@
 namespace pnmix {
 
 // One call of pnmix_attend, resolved: pointers into the state, lengths, and the work split.
-// Work item = (sequence b, KV head h, split s); split s covers groups [s*G/S, (s+1)*G/S), split 0
-// also the sink, the last split also the residual and the new tokens.
+// Work item = (split s, sequence b, KV head h); split s covers groups [split_first_group(s),
+// split_first_group(s + 1)), split 0 also the sink, the last split also the residual and the new
+// tokens.
 struct AttendJob {
   pnmix_layout L;
   Lengths n;
@@ -38,19 +39,20 @@ struct AttendJob {
   float* partial;
 };
 
-// Floats per row of `partial`: D + 2, rounded up to whole 64-byte cache lines. Each group writes its
-// rows (the softmax's rescale, the offsets' sums), and work items on different threads must not
-// share a line: a line written by both cores goes back and forth between them at every group.
-constexpr int64_t kFloatsPerLine = 16;
 // The first group of split s of a sequence's n groups cut into S splits. The splits shrink from
 // first to last (split s starts after n * (1 - (1 - s/S)^2) groups) and the items run split by
 // split, every KV head's first split first: the items claimed last are the smallest, so the
-// threads finish close together (with equal splits they finished a third of an item apart).
+// threads finish close together (with equal splits, the two threads of a 32K step finished
+// 144 us apart on average, half an item).
 inline int64_t split_first_group(int64_t s, int64_t S, int64_t n) {
   const int64_t rest = S - s;
   return n - n * rest * rest / (S * S);
 }
 
+// Floats per row of `partial`: D + 2, rounded up to whole 64-byte cache lines. Each group writes its
+// rows (the softmax's rescale, the offsets' sums), and work items on different threads must not
+// share a line: a line written by both cores goes back and forth between them at every group.
+constexpr int64_t kFloatsPerLine = 16;
 inline int64_t partial_stride(const AttendJob& job) {
   return (job.L.head_dim + 2 + kFloatsPerLine - 1) / kFloatsPerLine * kFloatsPerLine;
 }
