@@ -36,14 +36,27 @@ def main() -> None:
     except ValueError:
         parser.error(f"--heads {args.heads!r} / --pages {args.pages!r}: give QUERY/KV/DIM and N,N,...")
 
+    if args.context < 1 or args.threads < 0 or args.blocks < 1:
+        parser.error("--context and --blocks must be positive and --threads at least 0 (0: every core)")
+
     from pnmix.backends.core_ops import CoreOps
     from pnmix.bench.timing import time_interleaved
     from pnmix.config import PnMixConfig
     from pnmix.vllm.paged import PagedLayerCache, PageLayout
 
+    from pnmix.errors import PnMixError
+
     config = PnMixConfig()
     n = args.context
-    pages = PageLayout(config, kv_heads, dim, config.group_size)
+    try:
+        pages = PageLayout(config, kv_heads, dim, config.group_size)
+        groups = pages.layout.lengths(n).groups
+    except PnMixError as exc:
+        parser.error(str(exc))
+    if q_heads < 1 or q_heads % kv_heads:
+        parser.error(f"--heads {args.heads}: the query heads must be a positive multiple of the KV heads")
+    if groups < 2:
+        parser.error(f"--context {n}: fewer than two groups of {config.group_size} tokens past the sink and residual")
     blocks = pages.blocks_for(n)
     first = pages.block_of_group(0)
     gen = torch.Generator().manual_seed(0)
@@ -57,7 +70,6 @@ def main() -> None:
     cache.append(kv_pages, table, 0, 0, k, v)
     q = torch.randn(1, q_heads, 1, dim, generator=gen).half()
     layout, slot = cache.layout_at(n), cache.slot_state(0)
-    groups = layout.lengths(n).groups
     tables = {f"streamed ({groups} pages)": table}
     for count in resident:
         if 0 < count < groups:

@@ -57,6 +57,12 @@ inline int64_t partial_stride(const AttendJob& job) {
   return (job.L.head_dim + 2 + kFloatsPerLine - 1) / kFloatsPerLine * kFloatsPerLine;
 }
 
+// Row `row` of split `split` of sequence and KV head bh in `partial` (what the items write and
+// merge_splits reads).
+inline float* partial_row(const AttendJob& job, int64_t bh, int64_t split, int64_t row) {
+  return job.partial + ((bh * job.splits + split) * job.rows + row) * partial_stride(job);
+}
+
 // Threads worth waking for a call: one per kMinBytesPerThread of packed bytes to read, or per
 // kMinDenseMacsPerThread multiply-adds of the queries against the fp16 tokens (a long chunk over
 // a short cache: its own keys), whichever asks for more (at least one, at most `available`).

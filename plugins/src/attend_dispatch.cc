@@ -157,7 +157,7 @@ ItemFn item_function(const pnmix_layout& L, const Int8Halves& int8) {
 
 // Combine the splits of each (sequence, KV head) and query row: log-sum-exp of partial softmaxes.
 void merge_splits(const AttendJob& job, float* out) {
-  const int64_t D = job.L.head_dim, M = job.rows, ps = partial_stride(job), H = job.L.kv_heads;
+  const int64_t D = job.L.head_dim, M = job.rows, H = job.L.kv_heads;
   for (int64_t bh = 0; bh < job.L.batch * H; ++bh) {
     const int64_t b = bh / H, h = bh % H;
     for (int64_t r = 0; r < M; ++r) {
@@ -165,13 +165,13 @@ void merge_splits(const AttendJob& job, float* out) {
       float* dst = out + ((b * job.q_heads + h * job.group_q + g) * job.nq + i) * D;
       float m = -INFINITY;
       for (int64_t s = 0; s < job.splits; ++s) {
-        const float ms = job.partial[((bh * job.splits + s) * M + r) * ps + D];
+        const float ms = partial_row(job, bh, s, r)[D];
         m = ms > m ? ms : m;
       }
       for (int64_t c = 0; c < D; ++c) dst[c] = 0.0f;
       float l = 0.0f;
       for (int64_t s = 0; s < job.splits; ++s) {
-        const float* part = job.partial + ((bh * job.splits + s) * M + r) * ps;
+        const float* part = partial_row(job, bh, s, r);
         if (part[D] == -INFINITY) continue;
         const float weight = expf(part[D] - m);
         l += weight * part[D + 1];
