@@ -59,3 +59,7 @@ def _serve_source_export() -> None:
 
 
 _serve_source_export()
+
+# scikit-build-core's editable install lists the repository root among the package's folders (it
+# holds export/), which made every top-level folder (tests/, tools/) importable as a subpackage.
+__path__[:] = [folder for folder in __path__ if Path(folder).name == "pnmix"]
