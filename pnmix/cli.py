@@ -511,6 +511,7 @@ def main_entry() -> int:
     for signum in ENDING_SIGNALS:
         signal.signal(signum, _raise_terminated)
     alarm = signal.signal(signal.SIGALRM, _deliver_pending) if hasattr(signal, "setitimer") else None
+    unraisable_hook, sys.unraisablehook = sys.unraisablehook, _redeliver_swallowed
     sys.stdout, sys.stderr = PipeSafeStream(sys.stdout), PipeSafeStream(sys.stderr)
     try:
         code = app(standalone_mode=False)
@@ -532,6 +533,7 @@ def main_entry() -> int:
         code = ERROR_EXIT
     for signum in ENDING_SIGNALS:  # the work is done: a late signal ends the process as usual
         signal.signal(signum, signal.SIG_DFL)
+    sys.unraisablehook = unraisable_hook
     if alarm is not None:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, alarm)
@@ -561,6 +563,19 @@ def _raise_terminated(signum: int, frame: Any) -> None:
         return
     _terminated.append(signum)
     raise Terminated(signum)
+
+
+def _redeliver_swallowed(unraisable: Any) -> None:
+    """sys.unraisablehook while a command runs. The signal's exception, raised where Python can only
+    print and drop it (a weak reference's callback, such as the import system's module-lock clean-up,
+    or a __del__), would let the command run on and exit 0: it is held and raised again by SIGALRM,
+    as one that came during an import. Anything else goes to the hook there was."""
+    if isinstance(unraisable.exc_value, Terminated) and hasattr(signal, "setitimer"):
+        _terminated.clear()
+        _pending[:] = [unraisable.exc_value.signum]
+        signal.setitimer(signal.ITIMER_REAL, 0.02)
+        return
+    sys.__unraisablehook__(unraisable)
 
 
 def _deliver_pending(_signum: int, frame: Any) -> None:

@@ -514,6 +514,46 @@ def test_a_signal_during_an_import_waits_for_the_import_to_end(monkeypatch):
         signal.signal(signal.SIGALRM, old)
 
 
+def test_a_signal_whose_exception_python_drops_is_raised_again(monkeypatch):
+    """SIGTERM while a weak reference's callback runs (the import system's module-lock clean-up:
+    seen once in CI, where the command then ran on and exited 0): Python prints the exception as
+    ignored and drops it; the entry point's unraisable hook holds the signal instead, and SIGALRM
+    delivers it. Any other unraisable exception is reported as before."""
+    import types
+    import weakref
+
+    from pnmix import cli
+    from pnmix.io import Terminated
+
+    monkeypatch.setattr(cli, "_terminated", [])
+    monkeypatch.setattr(cli, "_pending", [])
+    monkeypatch.setattr(sys, "unraisablehook", cli._redeliver_swallowed)
+    old = signal.signal(signal.SIGALRM, signal.SIG_IGN)  # the retry timer is checked, not run
+
+    class Target:
+        pass
+
+    def callback(_ref):
+        cli._raise_terminated(signal.SIGTERM, None)
+
+    try:
+        target = Target()
+        ref = weakref.ref(target, callback)
+        del target  # the callback runs and its Terminated is dropped, not raised here
+        assert signal.getitimer(signal.ITIMER_REAL)[0] > 0
+        assert ref() is None and cli._pending == [signal.SIGTERM] and not cli._terminated
+        with pytest.raises(Terminated):
+            cli._deliver_pending(signal.SIGALRM, None)
+        assert cli._terminated == [signal.SIGTERM]
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    seen = []
+    monkeypatch.setattr(sys, "__unraisablehook__", seen.append)
+    cli._redeliver_swallowed(types.SimpleNamespace(exc_value=ValueError("other")))
+    assert len(seen) == 1 and cli._pending == [signal.SIGTERM]  # passed on; the signal's state untouched
+
+
 # ---------------------------------------------------------------------------------------
 # 5. Names and permissions of outputs
 # ---------------------------------------------------------------------------------------
