@@ -558,8 +558,7 @@ def _raise_terminated(signum: int, frame: Any) -> None:
         # command then ran on and exited 0) or leave it half made (the next import fails with an
         # unrelated error); raised inside a C extension's call back into Python, it can abort the
         # process. So it waits for the import to end: SIGALRM brings it back every 20 ms.
-        _pending[:] = [signum]
-        signal.setitimer(signal.ITIMER_REAL, 0.02)
+        _hold(signum)
         return
     _terminated.append(signum)
     raise Terminated(signum)
@@ -569,13 +568,18 @@ def _redeliver_swallowed(unraisable: Any) -> None:
     """sys.unraisablehook while a command runs. The signal's exception, raised where Python can only
     print and drop it (a weak reference's callback, such as the import system's module-lock clean-up,
     or a __del__), would let the command run on and exit 0: it is held and raised again by SIGALRM,
-    as one that came during an import. Anything else goes to the hook there was."""
+    as one that came during an import. Anything else goes to Python's own hook."""
     if isinstance(unraisable.exc_value, Terminated) and hasattr(signal, "setitimer"):
         _terminated.clear()
-        _pending[:] = [unraisable.exc_value.signum]
-        signal.setitimer(signal.ITIMER_REAL, 0.02)
+        _hold(unraisable.exc_value.signum)
         return
     sys.__unraisablehook__(unraisable)
+
+
+def _hold(signum: int) -> None:
+    """Keep the signal for _deliver_pending, which SIGALRM runs in 20 ms."""
+    _pending[:] = [signum]
+    signal.setitimer(signal.ITIMER_REAL, 0.02)
 
 
 def _deliver_pending(_signum: int, frame: Any) -> None:

@@ -487,7 +487,21 @@ def test_a_signal_at_any_point_of_a_command_is_one_line_and_leaves_nothing(tmp_p
     assert target.read_bytes() == SENTINEL and [p.name for p in tmp_path.iterdir()] == ["out.json"]
 
 
-def test_a_signal_during_an_import_waits_for_the_import_to_end(monkeypatch):
+@pytest.fixture
+def held_signals(monkeypatch):
+    """The entry point's signal state, fresh, and SIGALRM ignored: the retry timer is checked, not
+    run; both put back afterwards."""
+    from pnmix import cli
+
+    monkeypatch.setattr(cli, "_terminated", [])
+    monkeypatch.setattr(cli, "_pending", [])
+    old = signal.signal(signal.SIGALRM, signal.SIG_IGN)
+    yield
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, old)
+
+
+def test_a_signal_during_an_import_waits_for_the_import_to_end(monkeypatch, held_signals):
     """SIGTERM inside a module's import is held (an exception raised there was swallowed by
     numpy's import, and the command ran on to exit 0) and delivered by SIGALRM once no import is
     in progress."""
@@ -496,25 +510,18 @@ def test_a_signal_during_an_import_waits_for_the_import_to_end(monkeypatch):
     from pnmix import cli
     from pnmix.io import Terminated
 
-    monkeypatch.setattr(cli, "_terminated", [])
-    monkeypatch.setattr(cli, "_pending", [])
     spec = types.SimpleNamespace(_initializing=True)
     monkeypatch.setitem(sys.modules, "half_imported", types.SimpleNamespace(__spec__=spec))
-    old = signal.signal(signal.SIGALRM, signal.SIG_IGN)  # the retry timer is checked, not run
-    try:
-        cli._raise_terminated(signal.SIGTERM, None)  # held: no exception
-        assert cli._pending == [signal.SIGTERM] and signal.getitimer(signal.ITIMER_REAL)[0] > 0
-        cli._deliver_pending(signal.SIGALRM, None)  # still importing: held again
-        spec._initializing = False
-        with pytest.raises(Terminated):
-            cli._deliver_pending(signal.SIGALRM, None)
-        assert cli._terminated == [signal.SIGTERM]
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
+    cli._raise_terminated(signal.SIGTERM, None)  # held: no exception
+    assert cli._pending == [signal.SIGTERM] and signal.getitimer(signal.ITIMER_REAL)[0] > 0
+    cli._deliver_pending(signal.SIGALRM, None)  # still importing: held again
+    spec._initializing = False
+    with pytest.raises(Terminated):
+        cli._deliver_pending(signal.SIGALRM, None)
+    assert cli._terminated == [signal.SIGTERM]
 
 
-def test_a_signal_whose_exception_python_drops_is_raised_again(monkeypatch):
+def test_a_signal_whose_exception_python_drops_is_raised_again(monkeypatch, held_signals):
     """SIGTERM while a weak reference's callback runs (the import system's module-lock clean-up:
     seen once in CI, where the command then ran on and exited 0): Python prints the exception as
     ignored and drops it; the entry point's unraisable hook holds the signal instead, and SIGALRM
@@ -525,10 +532,7 @@ def test_a_signal_whose_exception_python_drops_is_raised_again(monkeypatch):
     from pnmix import cli
     from pnmix.io import Terminated
 
-    monkeypatch.setattr(cli, "_terminated", [])
-    monkeypatch.setattr(cli, "_pending", [])
     monkeypatch.setattr(sys, "unraisablehook", cli._redeliver_swallowed)
-    old = signal.signal(signal.SIGALRM, signal.SIG_IGN)  # the retry timer is checked, not run
 
     class Target:
         pass
@@ -536,18 +540,14 @@ def test_a_signal_whose_exception_python_drops_is_raised_again(monkeypatch):
     def callback(_ref):
         cli._raise_terminated(signal.SIGTERM, None)
 
-    try:
-        target = Target()
-        ref = weakref.ref(target, callback)
-        del target  # the callback runs and its Terminated is dropped, not raised here
-        assert signal.getitimer(signal.ITIMER_REAL)[0] > 0
-        assert ref() is None and cli._pending == [signal.SIGTERM] and not cli._terminated
-        with pytest.raises(Terminated):
-            cli._deliver_pending(signal.SIGALRM, None)
-        assert cli._terminated == [signal.SIGTERM]
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
+    target = Target()
+    ref = weakref.ref(target, callback)
+    del target  # the callback runs and its Terminated is dropped, not raised here
+    assert signal.getitimer(signal.ITIMER_REAL)[0] > 0
+    assert ref() is None and cli._pending == [signal.SIGTERM] and not cli._terminated
+    with pytest.raises(Terminated):
+        cli._deliver_pending(signal.SIGALRM, None)
+    assert cli._terminated == [signal.SIGTERM]
     seen = []
     monkeypatch.setattr(sys, "__unraisablehook__", seen.append)
     cli._redeliver_swallowed(types.SimpleNamespace(exc_value=ValueError("other")))
