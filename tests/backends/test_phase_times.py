@@ -1,0 +1,79 @@
+"""tools/phase_times.py and the profiling build of libpnmix_core it reads (cmake -DPNMIX_PHASE_TIMES=ON).
+
+The slow test builds that library (about a minute on two cores) and checks that its timers leave the
+outputs bitwise as they were and print every phase.
+"""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pnmix._native import find_library, library_status
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+import phase_times  # noqa: E402  (tools/ is not a package)
+
+PHASES = ["setup", "key_weights", "key_scores", "softmax", "values", "tail"]
+core_ok, core_reason = library_status("pnmix_core")
+needs_core = pytest.mark.skipif(not core_ok, reason=core_reason)
+
+
+def tool(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "phase_times.py"), *args],
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_parse_reads_the_exit_lines_and_nothing_else():
+    text = ("noise\npnmix phase times: 8 groups, 2.5000 ticks per ns\n"
+            "pnmix phase setup 80\npnmix phase values 160\n")
+    assert phase_times.parse(text) == (8, 2.5, {"setup": 80, "values": 160})
+    assert phase_times.parse("pnmix phase times: 0 groups, 1.0 ticks per ns\n") is None
+    assert phase_times.parse("") is None
+
+
+@needs_core
+def test_a_normal_build_is_refused_in_one_line():
+    folder = find_library("pnmix_core")[0].parent
+    run = tool(f"{folder}:auto:fp32", "--context", "1024", "--blocks", "1")
+    assert run.returncode == 1
+    assert run.stderr.strip().count("\n") == 0
+    assert "not a PNMIX_PHASE_TIMES build" in run.stderr
+
+
+def test_a_missing_folder_is_a_usage_error(tmp_path):
+    run = tool(str(tmp_path / "none"))
+    assert run.returncode == 2 and "no such folder" in run.stderr
+
+
+@pytest.mark.slow  # builds libpnmix_core once more, with the timers
+@needs_core
+@pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake is not installed")
+def test_the_profiling_build_times_every_phase_and_changes_no_output(tmp_path):
+    build = tmp_path / "phases"
+    for step in (["cmake", "-S", str(ROOT / "plugins"), "-B", str(build), "-DPNMIX_PHASE_TIMES=ON",
+                  "-DPNMIX_BUILD_CUDA=OFF", "-DPNMIX_BUILD_TRT=OFF", "-DPNMIX_BUILD_EXAMPLES=OFF"],
+                 ["cmake", "--build", str(build), "--target", "pnmix_core", "-j", "2"]):
+        done = subprocess.run(step, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    normal = find_library("pnmix_core")[0].parent
+    for arith in ("fp32", "int8"):
+        ab = subprocess.run([sys.executable, str(ROOT / "tools" / "core_ab.py"), f"{normal}:auto:{arith}",
+                             f"{build}:auto:{arith}", "--context", "4096", "--blocks", "1"],
+                            capture_output=True, text=True, timeout=600)
+        assert ab.returncode == 0, ab.stderr[-2000:]
+        assert "outputs bitwise equal: True" in ab.stdout
+        parsed = phase_times.parse(ab.stderr)
+        assert parsed is not None
+        groups, rate, phases = parsed
+        assert list(phases) == PHASES and groups > 0 and rate > 0
+        assert phases["key_scores"] > 0 and phases["values"] > 0
+        assert (phases["key_weights"] > 0) == (arith == "int8")  # the fp32 path rounds no weights
+    run = tool(f"{build}:auto:int8", "--context", "4096", "--blocks", "1", "--threads", "2")
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert [line.split()[0] for line in lines[-len(PHASES) - 1:]] == PHASES + ["all"]
+    assert lines[-1].endswith("100.0%")
