@@ -26,6 +26,7 @@ struct AttendJob {
   int64_t row_blocks = 1;  // of the rows (a chunk of many queries): each covers every key
   float scale;
   bool int8_keys = false, int8_values = false;  // the integer path (attend_int8.inc) for each half
+  bool read_ahead_to_l2 = false;  // the next group's lines by prefetcht1, not prefetcht0 (cpu_reads_ahead_to_l2)
   const float* q;  // fp32 [B, Hq, nq, D]
   StateView<false> state;  // paged: the slot's sink, residual and mask; the group tensors null
   // A paged cache (pnmix_attend_paged, batch 1): KV head 0's part of group g's page at

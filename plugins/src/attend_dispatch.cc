@@ -82,6 +82,25 @@ bool cpu_has_avx512vnni() {
 #endif
 }
 
+// Where the kernels' read-ahead puts the next group's lines (ReadAhead in attend_kernel.inc). AMD's
+// Zen 4 and later take prefetcht1 into L2: the lines no longer hold the core's few L1 miss buffers
+// while they come, and on a Zen 4 EPYC the 32K int8 step was 8-9% faster on one thread and 2-4% on
+// two, with half the memory waits over a paged cache (docs/BENCHMARKS.md 2.16). Earlier AMD cores
+// fill L1 for every prefetch hint, so there the choice changes nothing. Intel cores keep prefetcht0,
+// the hint their read-ahead was tuned with (docs/BENCHMARKS.md 2.12). Asked once, like the rest.
+bool cpu_reads_ahead_to_l2() {
+#if defined(PNMIX_HAVE_X86_KERNELS)
+  static const bool amd = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    return __get_cpuid(0, &eax, &ebx, &ecx, &edx) && ebx == 0x68747541u && edx == 0x69746e65u &&
+           ecx == 0x444d4163u;  // "AuthenticAMD"
+  }();
+  return amd;
+#else
+  return false;
+#endif
+}
+
 // The fp32 path's kernel.
 Isa best_isa() {
   if (forced_isa != Isa::kAuto) return forced_isa;
@@ -431,6 +450,7 @@ int prepare_run(const pnmix_layout& L, const pnmix_state* state, const pnmix_pag
   const Int8Halves int8 = int8_halves(L);
   job.int8_keys = int8.keys;
   job.int8_values = int8.values;
+  job.read_ahead_to_l2 = cpu_reads_ahead_to_l2();
   job.q = run.q32.data();
   if (paged) {
     job.state = StateView<false>{};
