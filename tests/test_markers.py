@@ -27,6 +27,7 @@ SLOW_MODULES = {
     "tests/harness/test_hf_cache_crop.py": "assisted and prompt-lookup generation with their replays",
     "tests/harness/test_hf_padded.py": "padded batches beside each prompt alone, greedy and beam search",
     "tests/harness/test_hf_compile.py": "inductor compiles a model around the cache",
+    "tests/backends/test_phase_times.py": "builds libpnmix_core once more, with the phase timers",
 }
 
 MARKED_SLOW = re.compile(r"\bmark\.slow\b")

@@ -83,11 +83,11 @@ bool cpu_has_avx512vnni() {
 }
 
 // Where the kernels' read-ahead puts the next group's lines (ReadAhead in attend_kernel.inc). AMD's
-// Zen 4 and later take prefetcht1 into L2: the lines no longer hold the core's few L1 miss buffers
-// while they come, and on a Zen 4 EPYC the 32K int8 step was 8-9% faster on one thread and 2-4% on
-// two, with half the memory waits over a paged cache (docs/BENCHMARKS.md 2.16). Earlier AMD cores
-// fill L1 for every prefetch hint, so there the choice changes nothing. Intel cores keep prefetcht0,
-// the hint their read-ahead was tuned with (docs/BENCHMARKS.md 2.12). Asked once, like the rest.
+// Zen 4 takes prefetcht1 into L2 (new in Zen 4; AMD's earlier cores filled L1 for every hint, so
+// there the choice should change nothing): the lines no longer hold the core's few L1 miss buffers
+// while they come. On a Zen 4 EPYC the 32K int8 step was 4-10% faster, and over a paged cache the
+// memory waits fell from 22-39% of the step to 12-14% (docs/BENCHMARKS.md 2.16). Intel cores keep
+// prefetcht0, the hint their read-ahead was tuned with (docs/BENCHMARKS.md 2.12). Asked once.
 bool cpu_reads_ahead_to_l2() {
 #if defined(PNMIX_HAVE_X86_KERNELS)
   static const bool amd = [] {
