@@ -5,6 +5,7 @@
 #endif
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <mutex>
 #include <thread>
@@ -12,6 +13,15 @@
 
 namespace pnmix {
 namespace {
+
+// A spin-wait's pause: it lets the other hardware thread of the core run and saves power.
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
 
 // Items are claimed with a compare-and-swap on one word holding (run generation, next item), so a
 // helper that wakes up late (a busy machine) can never take an item of a later run; the caller
@@ -34,12 +44,21 @@ class Pool {
     }
     wake_.notify_all();
     work(gen, fn, ctx, n_items);
+    // The helpers' last items are often still running when the caller runs out of work. Asleep on
+    // the condition variable, the caller would then pay a wake-up after them (tens of microseconds
+    // in a virtual machine); it watches the count for a while first. 32K int8 decode step on two
+    // threads, Zen 4 EPYC, interleaved: 1.988 -> 1.909, 1.942 -> 1.869 and 2.320 -> 2.250 ms.
+    const auto until = std::chrono::steady_clock::now() + kFinishSpin;
+    while (done_.load(std::memory_order_acquire) != n_items && std::chrono::steady_clock::now() < until)
+      for (int i = 0; i < 32; ++i) cpu_relax();
     std::unique_lock<std::mutex> lock(mutex_);
     finished_.wait(lock, [&] { return done_.load() == n_items; });
   }
 
  private:
   static constexpr int kIndexBits = 40;
+  // About one work item of a long decode step: longer waits are rare, and sleep.
+  static constexpr std::chrono::microseconds kFinishSpin{300};
   static constexpr uint64_t kIndexMask = (uint64_t(1) << kIndexBits) - 1;
 
   void work(uint64_t gen, void (*fn)(void*, int64_t), void* ctx, int64_t n_items) {
