@@ -45,6 +45,10 @@ def main() -> int:
     folder = args.build.split(":")[0]
     if not Path(folder).is_dir():
         parser.error(f"{folder}: no such folder")
+    from pnmix._native import library_filename
+
+    if not (Path(folder) / library_filename("pnmix_core")).is_file():  # else the loader would find another build
+        parser.error(f"{folder}: no {library_filename('pnmix_core')} in it")
     command = [sys.executable, str(TOOLS / "core_ab.py"), args.build, "--context", str(args.context),
                "--threads", str(args.threads), "--blocks", str(args.blocks)]
     run = subprocess.run(command, capture_output=True, text=True)

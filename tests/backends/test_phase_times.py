@@ -49,6 +49,11 @@ def test_a_missing_folder_is_a_usage_error(tmp_path):
     assert run.returncode == 2 and "no such folder" in run.stderr
 
 
+def test_a_folder_without_the_library_is_a_usage_error(tmp_path):
+    run = tool(str(tmp_path), "--context", "1024", "--blocks", "1")  # not another build found elsewhere
+    assert run.returncode == 2 and "no libpnmix_core" in run.stderr
+
+
 @pytest.mark.slow  # builds libpnmix_core once more, with the timers
 @needs_core
 @pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake is not installed")
