@@ -18,10 +18,23 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 import torch
 
 BLOCK_CALLS = 5  # calls of one build in a row, before the other's turn
+
+
+def folder_problem(folder: str) -> str | None:
+    """Why a build folder cannot be timed, or None. A folder without the library must be refused:
+    the loader would go on searching, find another build and time it under this folder's name."""
+    from pnmix._native import library_filename
+
+    if not Path(folder).is_dir():
+        return f"{folder}: no such folder"
+    if not (Path(folder) / library_filename("pnmix_core")).is_file():
+        return f"{folder}: no {library_filename('pnmix_core')} in it"
+    return None
 
 
 def main() -> None:
@@ -44,6 +57,10 @@ def main() -> None:
     from pnmix.bench.timing import time_interleaved
     from pnmix.config import PnMixConfig
     from pnmix.format import CacheLayout
+
+    for build in args.builds:
+        if problem := folder_problem(build.split(":")[0]):
+            parser.error(problem)
 
     n, nq = args.context, args.queries
     generator = torch.Generator().manual_seed(0)

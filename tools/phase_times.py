@@ -19,6 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from core_ab import folder_problem  # (tools/ is the script's folder, first on sys.path)
+
 TOOLS = Path(__file__).resolve().parent
 HEADER = re.compile(r"^pnmix phase times: (\d+) groups, ([0-9.]+) ticks per ns$")
 PHASE = re.compile(r"^pnmix phase (\w+) (\d+)$")
@@ -43,12 +45,8 @@ def main() -> int:
     parser.add_argument("--blocks", type=int, default=10, help="rounds of five calls")
     args = parser.parse_args()
     folder = args.build.split(":")[0]
-    if not Path(folder).is_dir():
-        parser.error(f"{folder}: no such folder")
-    from pnmix._native import library_filename
-
-    if not (Path(folder) / library_filename("pnmix_core")).is_file():  # else the loader would find another build
-        parser.error(f"{folder}: no {library_filename('pnmix_core')} in it")
+    if problem := folder_problem(folder):  # before the child: one line, not its traceback
+        parser.error(problem)
     command = [sys.executable, str(TOOLS / "core_ab.py"), args.build, "--context", str(args.context),
                "--threads", str(args.threads), "--blocks", str(args.blocks)]
     run = subprocess.run(command, capture_output=True, text=True)

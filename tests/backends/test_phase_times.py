@@ -54,6 +54,14 @@ def test_a_folder_without_the_library_is_a_usage_error(tmp_path):
     assert run.returncode == 2 and "no libpnmix_core" in run.stderr
 
 
+def test_core_ab_refuses_a_folder_without_the_library(tmp_path):
+    # the loader would go on searching and time another build under this folder's name
+    run = subprocess.run([sys.executable, str(ROOT / "tools" / "core_ab.py"), f"{tmp_path}:auto:int8",
+                          "--context", "1024", "--blocks", "1"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 2 and "no libpnmix_core" in run.stderr
+    assert "outputs bitwise equal" not in run.stdout
+
+
 @pytest.mark.slow  # builds libpnmix_core once more, with the timers
 @needs_core
 @pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake is not installed")
