@@ -563,6 +563,29 @@ def test_int8_path_stays_within_its_error_of_the_reference(arith, name, request)
     assert (one - three).abs().max().item() <= 1e-5
 
 
+@pytest.mark.skipif(not HAS_VNNI, reason="this CPU has no AVX-512 VBMI and VNNI: one integer kernel only")
+@pytest.mark.parametrize("name", [name for name, case in INT8_CONFIGS.items() if case[2] != "fp32"])
+def test_the_two_integer_kernels_round_alike(ops, name):
+    """The AVX2 pair kernel and the VNNI kernel round the same weights in the same blocks, so their
+    integer sums are equal and their outputs differ by float rounding only (under 2e-6 measured),
+    where either one's rounding error is about 1e-2: a weight rounded otherwise in one of them
+    shows here (a block maximum taken over a lane of the next block gave 8e-3 to 2e-2), though not
+    against the reference's looser tolerance."""
+    config, head_dim, _ = INT8_CONFIGS[name]
+    layout, state, q, k_new, v_new = _int8_case(config, head_dim)
+    seq_len = layout.max_seq_len - k_new.shape[2]
+    outs = []
+    try:
+        ops.set_arith("int8")
+        for isa in ("avx2", "avx512vnni"):
+            ops.set_isa(isa)
+            outs.append(ops.attend(q, layout, state, seq_len, k_new, v_new))
+    finally:
+        ops.set_arith("auto")
+        ops.set_isa("auto")
+    assert (outs[0] - outs[1]).abs().max().item() <= 1e-5
+
+
 def test_a_chunk_under_the_integer_path_stays_within_its_error(arith):
     """A chunk of many queries with the integer path on: its packed groups go through the int8
     kernels, its fp16 tokens (sink, residual, its own) through the fp32 tiles, on one thread and
