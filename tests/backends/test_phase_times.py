@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 import phase_times  # noqa: E402  (tools/ is not a package)
 
-PHASES = ["setup", "key_weights", "key_scores", "softmax", "values", "tail"]
+PHASES = ["setup", "key_weights", "key_scores", "softmax", "value_weights", "values", "tail"]
 core_ok, core_reason = library_status("pnmix_core")
 needs_core = pytest.mark.skipif(not core_ok, reason=core_reason)
 
@@ -85,6 +85,8 @@ def test_the_profiling_build_times_every_phase_and_changes_no_output(tmp_path):
         assert list(phases) == PHASES and groups > 0 and rate > 0
         assert phases["key_scores"] > 0 and phases["values"] > 0
         assert (phases["key_weights"] > 0) == (arith == "int8")  # the fp32 path rounds no weights
+        if arith == "fp32":
+            assert phases["value_weights"] == 0
     run = tool(f"{build}:auto:int8", "--context", "4096", "--blocks", "1", "--threads", "2")
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
