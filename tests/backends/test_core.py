@@ -629,6 +629,31 @@ def test_int8_path_takes_negative_value_steps(arith):
     assert (got - want).abs().max().item() <= INT8_TOLERANCE
 
 
+def test_int8_value_sums_of_a_huge_group_do_not_overflow(arith):
+    """A group of 565K tokens under uniform attention, each token's 4-bit value codes 15 on half
+    the channels: a lane's integer sum over the group, 565,248 * 255 * 15, is past 2^31. The VNNI
+    kernel summed a whole group before flushing and gave -0.99 where the answer is 1.0; it flushes
+    every 4096 tokens now. The fp32 kernel is the yardstick (the reference takes seconds here)."""
+    group = 565_248
+    config = PnMixConfig(group_size=group, residual_size=group, sink_tokens=0, value_bits=4)
+    seq_len = group + 8
+    layout = CacheLayout(config, 1, 1, 64, seq_len)
+    k = torch.zeros(1, 1, seq_len, 64)
+    k[..., 0] = 1.0  # every key alike: every token of the group gets the same weight
+    v = torch.zeros(1, 1, seq_len, 64)
+    v[..., :32] = 1.0
+    state = layout.empty_state()
+    arith.append(layout, state, 0, k, v)
+    q = torch.randn(1, 1, 1, 64, generator=torch.Generator().manual_seed(3))
+    arith.set_arith("fp32")
+    exact = arith.attend(q, layout, state, seq_len)
+    arith.set_arith("int8")
+    assert arith.arith_for(layout) == "int8"
+    got = arith.attend(q, layout, state, seq_len)
+    assert (exact[..., :32] - 1.0).abs().max().item() <= 1e-3
+    assert (got - exact).abs().max().item() <= INT8_TOLERANCE
+
+
 def test_int8_arithmetic_errors_and_environment(arith):
     with pytest.raises(PnMixError, match="unknown attention arithmetic 'int9'; choose auto, fp32 or int8"):
         arith.set_arith("int9")
