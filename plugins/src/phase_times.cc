@@ -12,7 +12,8 @@
 namespace pnmix {
 namespace {
 
-const char* const kPhaseNames[kPhases] = {"setup", "key_weights", "key_scores", "softmax", "value_weights", "values", "tail"};
+const char* const kPhaseNames[kPhases] = {"setup",         "key_weights", "key_scores", "softmax",
+                                          "value_weights", "values",      "tail"};
 
 uint64_t now_ns() {
   return (uint64_t)std::chrono::duration_cast<std::chrono::nanoseconds>(
