@@ -14,7 +14,7 @@ form) pick the kernel. Prints
     samples, its instructions and its copies of one 512-bit register into another.
 Those copies are what to look for: a 512-bit copy is not eliminated at rename and takes a vector
 port like real work, and GCC 12 leaves them where an expression's result could overwrite an input
-(the softmax exponential had four in its 24 instructions, 2-3% of a 32K step). A sample lands on
+(the softmax exponential had four in its 24 instructions: 1.5-3% of a 32K step). A sample lands on
 the instruction after a slow one, so read the shares of loops, not of single instructions.
 """
 
