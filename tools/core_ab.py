@@ -20,8 +20,6 @@ import argparse
 import os
 from pathlib import Path
 
-import torch
-
 BLOCK_CALLS = 5  # calls of one build in a row, before the other's turn
 
 
@@ -37,6 +35,42 @@ def folder_problem(folder: str) -> str | None:
     return None
 
 
+def parse_build(text: str) -> tuple[str, str, str]:
+    """FOLDER[:ISA[:ARITH]] as (folder, isa, arith), "auto" for an ISA or arithmetic not given."""
+    folder, isa, arith = (text.split(":") + ["", ""])[:3]
+    return folder, isa or "auto", arith or "auto"
+
+
+def parse_heads(text: str) -> tuple[int, int, int] | None:
+    """QUERY/KV/DIM as three ints, or None."""
+    try:
+        q_heads, kv_heads, dim = (int(x) for x in text.split("/"))
+    except ValueError:
+        return None
+    return q_heads, kv_heads, dim
+
+
+def decode_case(context: int, queries: int, q_heads: int, kv_heads: int, dim: int, seed: int = 0):
+    """The call this tool times (and tools/loop_profile.py profiles): a batch-1 cache of the default
+    config holding `context` random fp16 tokens, `queries` fp16 queries, and for a chunk (queries > 1)
+    their own new K/V. Returns (q, layout, state, k_new, v_new): ops.attend(q, layout, state,
+    context, k_new, v_new)."""
+    import torch
+
+    from pnmix.bench.decode import fill_cache
+    from pnmix.config import PnMixConfig
+    from pnmix.format import CacheLayout
+
+    n, nq = context, queries
+    generator = torch.Generator().manual_seed(seed)
+    layout = CacheLayout(PnMixConfig(), 1, kv_heads, dim, n + nq)
+    k, v = (torch.randn(1, kv_heads, n + nq, dim, generator=generator).half() for _ in range(2))
+    q = torch.randn(1, q_heads, nq, dim, generator=generator).half()
+    state = fill_cache(layout, k[:, :, :n], v[:, :, :n], None)
+    k_new, v_new = (k[:, :, n:], v[:, :, n:]) if nq > 1 else (None, None)
+    return q, layout, state, k_new, v_new
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("builds", nargs="+", help="folders holding libpnmix_core.so")
@@ -46,33 +80,26 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=1, help="> 1: a chunk of that many queries and new K/V")
     parser.add_argument("--heads", default="32/8/128", help="query heads / KV heads / head dim")
     args = parser.parse_args()
-    try:
-        q_heads, kv_heads, dim = (int(x) for x in args.heads.split("/"))
-    except ValueError:
+    if (heads := parse_heads(args.heads)) is None:
         parser.error(f"--heads {args.heads!r}: give QUERY/KV/DIM, e.g. 9/3/64")
+    q_heads, kv_heads, dim = heads
+
+    import torch
 
     from pnmix import _native
     from pnmix.backends.core_ops import CoreOps
-    from pnmix.bench.decode import fill_cache
     from pnmix.bench.timing import time_interleaved
-    from pnmix.config import PnMixConfig
-    from pnmix.format import CacheLayout
 
     for build in args.builds:
-        if problem := folder_problem(build.split(":")[0]):
+        if problem := folder_problem(parse_build(build)[0]):
             parser.error(problem)
 
     n, nq = args.context, args.queries
-    generator = torch.Generator().manual_seed(0)
-    layout = CacheLayout(PnMixConfig(), 1, kv_heads, dim, n + nq)
-    k, v = (torch.randn(1, kv_heads, n + nq, dim, generator=generator).half() for _ in range(2))
-    q = torch.randn(1, q_heads, nq, dim, generator=generator).half()
-    state = fill_cache(layout, k[:, :, :n], v[:, :, :n], None)
-    k_new, v_new = (k[:, :, n:], v[:, :, n:]) if nq > 1 else (None, None)
+    q, layout, state, k_new, v_new = decode_case(n, nq, q_heads, kv_heads, dim)
     libraries: dict[str, CoreOps] = {}
     calls = []
     for build in args.builds:
-        folder, isa, arith = (build.split(":") + ["auto", "auto"])[:3]
+        folder, isa, arith = parse_build(build)
         if folder not in libraries:  # one library per folder: forget the loaded one, point the loader here
             _native._loaded.pop("pnmix_core", None)
             os.environ["PNMIX_LIB_DIR"] = folder
