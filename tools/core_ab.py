@@ -41,16 +41,16 @@ def parse_build(text: str) -> tuple[str, str, str]:
     return folder, isa or "auto", arith or "auto"
 
 
-def parse_heads(text: str) -> tuple[int, int, int] | None:
-    """QUERY/KV/DIM as three ints, or None."""
+def heads_arg(parser: argparse.ArgumentParser, text: str) -> tuple[int, int, int]:
+    """--heads QUERY/KV/DIM as three ints; anything else is the parser's one-line error."""
     try:
         q_heads, kv_heads, dim = (int(x) for x in text.split("/"))
     except ValueError:
-        return None
+        parser.error(f"--heads {text!r}: give QUERY/KV/DIM, e.g. 9/3/64")
     return q_heads, kv_heads, dim
 
 
-def decode_case(context: int, queries: int, q_heads: int, kv_heads: int, dim: int, seed: int = 0):
+def decode_case(context: int, queries: int, q_heads: int, kv_heads: int, dim: int):
     """The call this tool times (and tools/loop_profile.py profiles): a batch-1 cache of the default
     config holding `context` random fp16 tokens, `queries` fp16 queries, and for a chunk (queries > 1)
     their own new K/V. Returns (q, layout, state, k_new, v_new): ops.attend(q, layout, state,
@@ -62,7 +62,7 @@ def decode_case(context: int, queries: int, q_heads: int, kv_heads: int, dim: in
     from pnmix.format import CacheLayout
 
     n, nq = context, queries
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(0)
     layout = CacheLayout(PnMixConfig(), 1, kv_heads, dim, n + nq)
     k, v = (torch.randn(1, kv_heads, n + nq, dim, generator=generator).half() for _ in range(2))
     q = torch.randn(1, q_heads, nq, dim, generator=generator).half()
@@ -80,9 +80,7 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=1, help="> 1: a chunk of that many queries and new K/V")
     parser.add_argument("--heads", default="32/8/128", help="query heads / KV heads / head dim")
     args = parser.parse_args()
-    if (heads := parse_heads(args.heads)) is None:
-        parser.error(f"--heads {args.heads!r}: give QUERY/KV/DIM, e.g. 9/3/64")
-    q_heads, kv_heads, dim = heads
+    q_heads, kv_heads, dim = heads_arg(parser, args.heads)
 
     import torch
 

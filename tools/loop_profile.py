@@ -32,7 +32,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from core_ab import folder_problem, parse_build, parse_heads  # (tools/ is the script's folder, first on sys.path)
+from core_ab import folder_problem, heads_arg, parse_build  # (tools/ is the script's folder, first on sys.path)
 
 TOOLS = Path(__file__).resolve().parent
 CORE = "libpnmix_core"
@@ -143,11 +143,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--functions", type=int, default=3, help="functions of libpnmix_core to break into loops")
     parser.add_argument("--loops", type=int, default=6, help="loops listed per function")
     args = parser.parse_args()
-    if (heads := parse_heads(args.heads)) is None:
-        parser.error(f"--heads {args.heads!r}: give QUERY/KV/DIM, e.g. 9/3/64")
-    args.q_heads, args.kv_heads, args.dim = heads
-    if min(args.context, args.threads, args.queries) < 1 or not 0 < args.seconds <= 600:
-        parser.error("--context, --threads and --queries must be positive and --seconds in (0, 600]")
+    args.q_heads, args.kv_heads, args.dim = heads_arg(parser, args.heads)
+    if min(args.context, args.threads, args.queries, args.functions, args.loops) < 1 or not 0 < args.seconds <= 600:
+        parser.error("--context, --threads, --queries, --functions and --loops must be positive and --seconds in (0, 600]")
     args.folder, args.isa, args.arith = parse_build(args.build)
     if args.folder and (problem := folder_problem(args.folder)):
         parser.error(problem)
@@ -208,7 +206,10 @@ def main() -> int:
         for percent, dso, symbol in entries[:12]:
             print(f"{percent:>6.2f}%  {symbol}  ({dso})")
         print("\ninnermost loops of the top functions of libpnmix_core (share of the function's samples):")
-        for percent, dso, symbol in [e for e in entries if e[1].startswith(CORE)][:args.functions]:
+        core = [e for e in entries if e[1].startswith(CORE)][:args.functions]
+        if not core:
+            print("  (no function of libpnmix_core took 0.5% of the samples)")
+        for percent, dso, symbol in core:
             print_loops(args.perf, data, dso, symbol, percent, args.loops)
     return 0
 

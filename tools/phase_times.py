@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from core_ab import folder_problem  # (tools/ is the script's folder, first on sys.path)
+from core_ab import folder_problem, parse_build  # (tools/ is the script's folder, first on sys.path)
 
 TOOLS = Path(__file__).resolve().parent
 HEADER = re.compile(r"^pnmix phase times: (\d+) groups, ([0-9.]+) ticks per ns$")
@@ -44,7 +44,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--blocks", type=int, default=10, help="rounds of five calls")
     args = parser.parse_args()
-    folder = args.build.split(":")[0]
+    folder = parse_build(args.build)[0]
     if problem := folder_problem(folder):  # before the child: one line, not its traceback
         parser.error(problem)
     command = [sys.executable, str(TOOLS / "core_ab.py"), args.build, "--context", str(args.context),

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+from core_ab import heads_arg  # (tools/ is the script's folder, first on sys.path)
 
 
 def main() -> None:
@@ -30,11 +31,11 @@ def main() -> None:
     parser.add_argument("--heads", default="32/8/128", help="query heads / KV heads / head dim")
     parser.add_argument("--pages", default="1,8,32,128", help="distinct pages of the resident tables")
     args = parser.parse_args()
+    q_heads, kv_heads, dim = heads_arg(parser, args.heads)
     try:
-        q_heads, kv_heads, dim = (int(x) for x in args.heads.split("/"))
         resident = [int(x) for x in args.pages.split(",")]
     except ValueError:
-        parser.error(f"--heads {args.heads!r} / --pages {args.pages!r}: give QUERY/KV/DIM and N,N,...")
+        parser.error(f"--pages {args.pages!r}: give N,N,..., e.g. 1,8,32")
 
     if args.context < 1 or args.threads < 0 or args.blocks < 1:
         parser.error("--context and --blocks must be positive and --threads at least 0 (0: every core)")
