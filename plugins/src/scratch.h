@@ -4,6 +4,8 @@
 
 #include <stdint.h>
 
+#include <cstddef>
+#include <new>
 #include <vector>
 
 namespace pnmix {
@@ -11,9 +13,30 @@ namespace pnmix {
 // sets, and no ISA's copy may stand in for another's at link time.
 namespace {
 
-// v with at least n elements (grown if smaller, contents kept); its data.
+// Storage that starts on a cache line. The kernels' 512-bit loads and stores of their scratch
+// (scores, probabilities, weights) are then whole lines; from malloc's 16-byte alignment most of
+// them straddled two lines, and a split access costs the core two.
 template <typename T>
-inline T* ensure(std::vector<T>& v, int64_t n) {
+struct LineAllocator {
+  using value_type = T;
+  static constexpr std::align_val_t kLine{64};
+  LineAllocator() = default;
+  template <typename U>
+  LineAllocator(const LineAllocator<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), kLine)); }
+  void deallocate(T* p, size_t) { ::operator delete(p, kLine); }
+  template <typename U>
+  bool operator==(const LineAllocator<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const LineAllocator<U>&) const { return false; }
+};
+
+template <typename T>
+using LineVector = std::vector<T, LineAllocator<T>>;
+
+// v with at least n elements (grown if smaller, contents kept); its data.
+template <typename T, typename A>
+inline T* ensure(std::vector<T, A>& v, int64_t n) {
   if ((int64_t)v.size() < n) v.resize((size_t)n);
   return v.data();
 }
