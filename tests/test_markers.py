@@ -28,6 +28,7 @@ SLOW_MODULES = {
     "tests/harness/test_hf_padded.py": "padded batches beside each prompt alone, greedy and beam search",
     "tests/harness/test_hf_compile.py": "inductor compiles a model around the cache",
     "tests/backends/test_phase_times.py": "builds libpnmix_core once more, with the phase timers",
+    "tests/backends/test_loop_bench.py": "compiles the VNNI kernel's source into tools/loop_bench.cc",
 }
 
 MARKED_SLOW = re.compile(r"\bmark\.slow\b")

@@ -1,0 +1,60 @@
+"""tools/loop_bench.cc: the VNNI kernel's product loops alone. It includes the kernel's source, so a
+change to the kernel that breaks it fails here, on any x86 machine with g++; it runs where the CPU
+has AVX-512 VNNI and VBMI."""
+
+import platform
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vbmi", "-mavx512vnni", "-mavx2",
+         "-mfma", "-mf16c"]
+NS_LINE = re.compile(r"^(key|value) products .*: (\d+) ticks, ([0-9.]+) ns per group$")
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not installed"),
+    pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="an x86 kernel's loops"),
+]
+
+
+def cpu_has_vnni() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512_vnni" in flags and " avx512vbmi" in flags
+
+
+@pytest.fixture(scope="module")
+def program(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("loop_bench") / "loop_bench"
+    done = subprocess.run(["g++", *FLAGS, f"-I{ROOT / 'plugins/src'}", f"-I{ROOT / 'plugins/include'}",
+                           str(ROOT / "tools/loop_bench.cc"), "-o", str(out)], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return out
+
+
+def test_runs_or_names_the_missing_instructions(program):
+    done = subprocess.run([str(program), "50"], capture_output=True, text=True, timeout=120)
+    if not cpu_has_vnni():
+        assert done.returncode == 1
+        assert done.stderr.strip().startswith("error: this CPU has no AVX-512 VNNI")
+        return
+    assert done.returncode == 0, done.stderr
+    found = {m[1]: float(m[3]) for line in done.stdout.splitlines() if (m := NS_LINE.match(line))}
+    assert set(found) == {"key", "value"}
+    assert all(ns > 0 for ns in found.values())
+
+
+@pytest.mark.parametrize("calls", ["0", "-3", "many"])
+def test_refuses_a_bad_call_count(program, calls):
+    done = subprocess.run([str(program), calls], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip() == f"error: calls must be a positive integer, got '{calls}'"
+    assert done.stdout == ""
