@@ -1,6 +1,6 @@
 // loop_bench.cc: the VNNI kernel's key and value product loops alone, on codes that stay in L1.
 //
-//   g++ -O3 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vbmi -mavx512vnni -mavx2 -mfma -mf16c
+//   g++ -O3 -DNDEBUG -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vbmi -mavx512vnni -mavx2 -mfma -mf16c
 //       -Iplugins/src -Iplugins/include tools/loop_bench.cc -o /tmp/loop_bench
 //   /tmp/loop_bench [calls]
 //
@@ -14,6 +14,7 @@
 
 #include "attend_avx512vnni.cc"
 
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <x86intrin.h>
@@ -25,6 +26,7 @@ namespace {
 using namespace pnmix;
 
 constexpr int64_t kGroup = 128, kRows = 4, kQuads = 16;  // quads per key class
+constexpr long kMaxCalls = 100000000;  // a run of about a minute
 constexpr int64_t kHighBytes = kGroup * 3 / 8, kLowBytes = kGroup / 8, kValueBytes = 32;
 
 alignas(64) uint8_t key_codes[64 * kHighBytes + 64 * kLowBytes + 64];  // + 64: the wide loads' reach
@@ -109,10 +111,19 @@ double best_ticks(long calls, F run) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const long calls = argc > 1 ? strtol(argv[1], nullptr, 10) : 20000;
-  if (calls < 1) {
-    fprintf(stderr, "error: calls must be a positive integer, got '%s'\n", argv[1]);
+  if (argc > 2) {
+    fprintf(stderr, "error: one argument at most (calls), got %d\n", argc - 1);
     return 2;
+  }
+  long calls = 20000;
+  if (argc == 2) {
+    char* end = nullptr;
+    errno = 0;
+    calls = strtol(argv[1], &end, 10);
+    if (end == argv[1] || *end != '\0' || errno == ERANGE || calls < 1 || calls > kMaxCalls) {
+      fprintf(stderr, "error: calls must be an integer from 1 to %ld, got '%s'\n", kMaxCalls, argv[1]);
+      return 2;
+    }
   }
   if (!__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("avx512vbmi")) {
     fprintf(stderr, "error: this CPU has no AVX-512 VNNI and VBMI, the kernel these loops belong to\n");

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from pnmix.machine import cpu_flags
+
 ROOT = Path(__file__).resolve().parents[2]
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vbmi", "-mavx512vnni", "-mavx2",
+FLAGS = ["-O3", "-DNDEBUG", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vbmi", "-mavx512vnni", "-mavx2",
          "-mfma", "-mf16c"]
 NS_LINE = re.compile(r"^(key|value) products .*: (\d+) ticks, ([0-9.]+) ns per group$")
 
@@ -22,12 +24,7 @@ pytestmark = [
 ]
 
 
-def cpu_has_vnni() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " avx512_vnni" in flags and " avx512vbmi" in flags
+HAS_VNNI = {"avx512vbmi", "avx512_vnni"} <= cpu_flags()  # what the tool's kernel needs
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +39,7 @@ def program(tmp_path_factory) -> Path:
 
 def test_runs_or_names_the_missing_instructions(program):
     done = subprocess.run([str(program), "50"], capture_output=True, text=True, timeout=120)
-    if not cpu_has_vnni():
+    if not HAS_VNNI:
         assert done.returncode == 1
         assert done.stderr.strip().startswith("error: this CPU has no AVX-512 VNNI")
         return
@@ -52,9 +49,15 @@ def test_runs_or_names_the_missing_instructions(program):
     assert all(ns > 0 for ns in found.values())
 
 
-@pytest.mark.parametrize("calls", ["0", "-3", "many"])
+@pytest.mark.parametrize("calls", ["0", "-3", "many", "12x", "1e3", "", "100000001", "99999999999999999999"])
 def test_refuses_a_bad_call_count(program, calls):
     done = subprocess.run([str(program), calls], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
-    assert done.stderr.strip() == f"error: calls must be a positive integer, got '{calls}'"
+    assert done.stderr.strip() == f"error: calls must be an integer from 1 to 100000000, got '{calls}'"
     assert done.stdout == ""
+
+
+def test_refuses_extra_arguments(program):
+    done = subprocess.run([str(program), "5", "6"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip() == "error: one argument at most (calls), got 2"
