@@ -4,13 +4,14 @@
 //       -Iplugins/src -Iplugins/include tools/loop_bench.cc -o /tmp/loop_bench
 //   /tmp/loop_bench [calls]
 //
-// It includes the kernel's own source (attend_avx512vnni.cc), so the loops are the library's, and
-// calls them for one 128-token group of the default config (head dim 128: 64 3-bit and 64 1-bit
-// key channels, 2-bit values in 32-byte tokens) and four query rows, `calls` times over the same
-// bytes. A decode step's group reads its codes from memory and does the rest of its work between
-// the loops; the difference between these times and the same loops' share of a step is what the
-// step spends waiting (docs/BENCHMARKS.md section 2.20). Prints the best of seven runs, in
-// time-stamp ticks and ns per group.
+// It includes the kernel's own source (attend_avx512vnni.cc) and calls its two row functions,
+// VnniKeyRows<4>::run and VnniValueRows<4>::run, for one 128-token group of a head of dim 128
+// with the default config's widths (64 3-bit and 64 1-bit key channels, 2-bit values) and four
+// query rows, `calls` times over the same bytes. A decode step's group reads its codes from
+// memory and does the rest of its work between the loops; the difference between these times
+// and the same loops' share of a step is what the step spends waiting (docs/BENCHMARKS.md
+// section 2.20). Prints the best of seven runs, in time-stamp ticks and ns per group.
+// (tests/backends/test_loop_bench.py builds it with the command above.)
 
 #include "attend_avx512vnni.cc"
 
@@ -25,66 +26,76 @@ namespace {
 
 using namespace pnmix;
 
-constexpr int64_t kGroup = 128, kRows = 4, kQuads = 16;  // quads per key class
 constexpr long kMaxCalls = 100000000;  // a run of about a minute
-constexpr int64_t kHighBytes = kGroup * 3 / 8, kLowBytes = kGroup / 8, kValueBytes = 32;
+constexpr int64_t kRows = 4;
+const int64_t kAllRows[kRows] = {0, 1, 2, 3};
 
-alignas(64) uint8_t key_codes[64 * kHighBytes + 64 * kLowBytes + 64];  // + 64: the wide loads' reach
-alignas(64) int64_t key_offsets[2][4 * kQuads];
-alignas(64) int8_t key_weights[kRows * 2 * kQuads * 4];
-alignas(64) float key_scales[kRows * 8];
-alignas(64) float scores[kRows * kGroup];
-alignas(64) uint8_t value_codes[kGroup * kValueBytes];
-alignas(64) uint8_t value_levels[kRows][kGroup];
-alignas(64) float sums[kRows][kGroup];
+// One group of one KV head, as a work item's set-up leaves the scratch for the kernel's rows.
+struct Group {
+  pnmix_layout L{};
+  AttendJob job{};
+  Scratch& sc = thread_scratch();
+  KeyQuads keys;
+  Int8Values values;
+  LineVector<uint8_t> key_codes, value_codes;  // on cache lines, as the state's tensors are
 
-// Four rows' scores over a group: each 32-token chunk through both classes, as VnniKeyRows does.
-__attribute__((noinline)) void key_products(int64_t quads) {
-  for (int64_t chunk = 0; chunk < kGroup / 32; ++chunk) {
-    __m512 out[kRows][2];
-    for (int r = 0; r < kRows; ++r) out[r][0] = out[r][1] = _mm512_set1_ps(0.5f);
-    for (int i = 0; i < 2; ++i) {
-      const int8_t* w[kRows];
-      const float* s[kRows];
-      for (int r = 0; r < kRows; ++r) {
-        w[r] = key_weights + 4 * key_row_slot(r, 2 * kQuads, i * kQuads);
-        s[r] = key_scales + key_row_slot(r, 5, i ? 3 : 0);
-      }
-      vnni_key_class_chunk_bits<kRows, true>(i ? 1 : 3, key_codes, key_offsets[i], quads, chunk, w, s, out);
+  Group() {
+    L.config.group_size = 128;
+    L.config.key_high_bits = 3;
+    L.config.key_low_bits = 1;
+    L.config.value_bits = 2;
+    L.config.value_group_size = 128;
+    L.batch = L.kv_heads = 1;
+    L.head_dim = 128;
+    job.L = L;
+    job.rows = kRows;
+    const int64_t D = L.head_dim, gs = L.config.group_size;
+    // the classes in a scattered channel order, as the magnitude order leaves them; each channel's
+    // codes where the group's key codes hold them (channel-major, in channel order)
+    int64_t* offsets = ensure(sc.offsets, D);
+    for (int64_t c = 0, at = 0; c < D; ++c) {
+      offsets[c] = at;
+      at += gs / 8 * (c % 4 < 2 ? L.config.key_high_bits : L.config.key_low_bits);
     }
-    for (int r = 0; r < kRows; ++r) {
-      _mm512_storeu_ps(scores + r * kGroup + chunk * 32, out[r][0]);
-      _mm512_storeu_ps(scores + r * kGroup + chunk * 32 + 16, out[r][1]);
+    sc.high.clear();
+    sc.low.clear();
+    for (int64_t i = 0; i < D; ++i) {
+      const int32_t c = (int32_t)(i * 23 % D);
+      (c % 4 < 2 ? sc.high : sc.low).push_back(c);
     }
-  }
-}
+    keys = key_quads(job, sc);
+    key_codes.resize((size_t)key_group_bytes(L) + 64);  // + 64: the wide loads' reach past a chunk
+    for (size_t i = 0; i < key_codes.size(); ++i) key_codes[i] = (uint8_t)(i * 37 + 11);
+    int8_t* weights = (int8_t*)ensure(sc.key_quad_weights, key_set_rows(kRows) * keys.total_quads);
+    for (int64_t i = 0; i < 4 * key_set_rows(kRows) * keys.total_quads; ++i) weights[i] = (int8_t)(i * 7 - 50);
+    float* scales = ensure(sc.key_scales, key_set_rows(kRows) * keys.total_blocks);
+    for (int64_t i = 0; i < key_set_rows(kRows) * keys.total_blocks; ++i) scales[i] = 0.001f * (float)(i + 1);
+    float* cst = ensure(sc.cst, kRows);
+    for (int64_t r = 0; r < kRows; ++r) cst[r] = 0.5f;
+    ensure(sc.s, kRows * gs);
 
-// Four rows' value sums over a group, both 16-byte slices of the tokens, as VnniValueRows does.
-__attribute__((noinline)) void value_products(int64_t token_bytes) {
-  const uint8_t* levels[kRows];
-  float scale[kRows];
-  float* lanes[kRows];
-  for (int r = 0; r < kRows; ++r) {
-    levels[r] = value_levels[r];
-    scale[r] = 0.01f;
-    lanes[r] = sums[r];
+    values = int8_values_plan(L);
+    value_codes.resize((size_t)(gs * value_token_bytes(L)));
+    for (size_t i = 0; i < value_codes.size(); ++i) value_codes[i] = (uint8_t)(i * 29 + 3);
+    uint8_t* levels = ensure(sc.value_levels, kRows * gs);
+    for (int64_t i = 0; i < kRows * gs; ++i) levels[i] = (uint8_t)(i * 7);
+    float* value_scale = ensure(sc.value_scale, kRows);
+    for (int64_t r = 0; r < kRows; ++r) value_scale[r] = 0.01f;  // > 0: unsigned weights
+    float* lanes = ensure(sc.lanes, kRows * values.floats());
+    for (int64_t i = 0; i < kRows * values.floats(); ++i) lanes[i] = 0.0f;
   }
-  for (int64_t slice = 0; slice < token_bytes / 16; ++slice)
-    vnni_value_slice<kRows, 2, true, true>(value_codes, token_bytes, kGroup / 4, slice, levels, scale, lanes);
-}
 
-void fill() {
-  for (size_t i = 0; i < sizeof key_codes; ++i) key_codes[i] = (uint8_t)(i * 37 + 11);
-  for (int64_t c = 0; c < 4 * kQuads; ++c) {  // channels in a scattered order, as magnitude order leaves them
-    key_offsets[0][c] = (c * 23 % 64) * kHighBytes;
-    key_offsets[1][c] = 64 * kHighBytes + (c * 23 % 64) * kLowBytes;
+  // Four rows' scores over the group (the kernel's wide loads: the buffer has the bytes past it).
+  __attribute__((noinline)) void key_products() {
+    VnniKeyRows<kRows>::run(kAllRows, job, sc, key_codes.data(), keys, (const int8_t*)sc.key_quad_weights.data(),
+                            sc.key_scales.data(), true);
   }
-  for (size_t i = 0; i < sizeof key_weights; ++i) key_weights[i] = (int8_t)(i * 7 - 50);
-  for (int i = 0; i < kRows * 8; ++i) key_scales[i] = 0.001f * (float)(i + 1);
-  for (size_t i = 0; i < sizeof value_codes; ++i) value_codes[i] = (uint8_t)(i * 29 + 3);
-  for (int r = 0; r < kRows; ++r)
-    for (int t = 0; t < kGroup; ++t) value_levels[r][t] = (uint8_t)(t * 7 + r);
-}
+  // Four rows' value sums over the group.
+  __attribute__((noinline)) void value_products() {
+    VnniValueRows<kRows>::run(kAllRows, job, sc, values, value_codes.data());
+  }
+  double checksum() const { return (double)sc.s[77] + (double)sc.lanes[135]; }
+};
 
 // Time-stamp ticks per ns, against the steady clock over 50 ms.
 double ticks_per_ns() {
@@ -129,16 +140,15 @@ int main(int argc, char** argv) {
     fprintf(stderr, "error: this CPU has no AVX-512 VNNI and VBMI, the kernel these loops belong to\n");
     return 1;
   }
-  fill();
-  volatile int64_t quads = kQuads, token_bytes = kValueBytes;  // not constants: the kernel's are not
+  Group group;
   const double rate = ticks_per_ns();
-  const double keys = best_ticks(calls, [&] { key_products(quads); });
-  const double values = best_ticks(calls, [&] { value_products(token_bytes); });
+  const double keys = best_ticks(calls, [&] { group.key_products(); });
+  const double values = best_ticks(calls, [&] { group.value_products(); });
   printf("time-stamp counter: %.3f ticks per ns; %ld calls, best of 7\n", rate, calls);
   printf("key products (4 rows, 4 chunks, 16 3-bit + 16 1-bit quads): %.0f ticks, %.1f ns per group\n", keys,
          keys / rate);
   printf("value products (4 rows, 2 slices of 32 quads, 2-bit): %.0f ticks, %.1f ns per group\n", values,
          values / rate);
-  printf("checksum %g\n", (double)scores[77] + (double)sums[1][7]);
+  printf("checksum %g\n", group.checksum());
   return 0;
 }
