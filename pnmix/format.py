@@ -204,15 +204,18 @@ class CacheLayout:
                 f"{self.max_seq_len}, sink_tokens {self.config.sink_tokens}, residual_size {self.config.residual_size}")
 
     def empty_state(self, device: torch.device | str = "cpu") -> Dict[str, torch.Tensor]:
-        from .memory import check_fits
+        """Every state tensor at capacity, zeroed: on the host, on huge pages where the state spans
+        one (memory.zeros_on_huge_pages says why)."""
+        from .memory import check_fits, zeros_on_huge_pages
 
-        shapes = self.state_shapes()
+        specs = {name: (shape, STATE_DTYPES[name]) for name, shape in self.state_shapes().items()}
         check_fits(self.state_bytes, f"the cache state ({self.describe()})", "lower max_seq_len or batch",
                    str(device))
         try:
-            return {name: torch.zeros(shape, dtype=STATE_DTYPES[name], device=device)
-                    for name, shape in shapes.items()}
-        except RuntimeError as exc:  # out of memory, or a size torch cannot even represent
+            on_huge_pages = zeros_on_huge_pages(specs) if torch.device(device).type == "cpu" else None
+            return on_huge_pages or {name: torch.zeros(shape, dtype=dtype, device=device)
+                                     for name, (shape, dtype) in specs.items()}
+        except (RuntimeError, OSError) as exc:  # out of memory, or a size torch cannot even represent
             raise PnMixError(
                 f"cannot allocate the cache state: {self.state_bytes} bytes for {self.describe()} on {device} "
                 f"({one_line(exc, 120)})"
