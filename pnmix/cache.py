@@ -213,7 +213,7 @@ class PackedKVCache:
     ):
         self.layout = CacheLayout(config, batch, kv_heads, head_dim, max_seq_len)
         self.device = torch.device(device)
-        self.state: State = self.layout.empty_state(self.device)
+        self.state: State = self.layout.empty_state(self.device, huge_pages=True)
         self.seq_len = 0
         self.saliency_computations = 0
         self.ops: CacheOps = ops if ops is not None else ReferenceOps()

@@ -203,19 +203,23 @@ class CacheLayout:
         return (f"batch {self.batch}, kv_heads {self.kv_heads}, head_dim {self.head_dim}, max_seq_len "
                 f"{self.max_seq_len}, sink_tokens {self.config.sink_tokens}, residual_size {self.config.residual_size}")
 
-    def empty_state(self, device: torch.device | str = "cpu") -> Dict[str, torch.Tensor]:
-        """Every state tensor at capacity, zeroed: on the host, on huge pages where the state spans
-        one (memory.zeros_on_huge_pages says why)."""
-        from .memory import check_fits, zeros_on_huge_pages
+    def empty_state(self, device: torch.device | str = "cpu", huge_pages: bool = False) -> Dict[str, torch.Tensor]:
+        """Every state tensor at capacity, zeroed. huge_pages: a cache that lives for many decode
+        steps (PackedKVCache, the benchmarks'): on the host, on transparent huge pages where it spans
+        one (memory.zeros_on_huge_pages says why); a scratch state made and dropped per call stays
+        on torch's pages, which its allocator reuses without a fault per page."""
+        from .memory import check_fits, huge_pages_wanted, zeros_on_huge_pages
 
         specs = {name: (shape, STATE_DTYPES[name]) for name, shape in self.state_shapes().items()}
         check_fits(self.state_bytes, f"the cache state ({self.describe()})", "lower max_seq_len or batch",
                    str(device))
+        wanted = huge_pages_wanted()  # asked on every device: a wrong PNMIX_HUGE_PAGES is an error wherever it is set
+        huge_pages = wanted and huge_pages and torch.device(device).type == "cpu"
         try:
-            on_huge_pages = zeros_on_huge_pages(specs) if torch.device(device).type == "cpu" else None
+            on_huge_pages = zeros_on_huge_pages(specs) if huge_pages else None
             return on_huge_pages or {name: torch.zeros(shape, dtype=dtype, device=device)
                                      for name, (shape, dtype) in specs.items()}
-        except (RuntimeError, OSError) as exc:  # out of memory, or a size torch cannot even represent
+        except RuntimeError as exc:  # out of memory, or a size torch cannot even represent
             raise PnMixError(
                 f"cannot allocate the cache state: {self.state_bytes} bytes for {self.describe()} on {device} "
                 f"({one_line(exc, 120)})"

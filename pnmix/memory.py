@@ -4,6 +4,7 @@ size that cannot fit is a one-line PnMixError naming the option, not an allocato
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import TYPE_CHECKING, Dict, Optional, Tuple
@@ -69,33 +70,44 @@ def check_fits(need: int, what: str, hint: str, device: str = "cpu") -> None:
         raise PnMixError(f"{what} needs about {human(need)} of {where}, {human(have)} is available; {hint}")
 
 
-# Transparent huge pages come in this size on x86-64 and most arm64 kernels.
-HUGE_PAGE_BYTES = 2 << 20
-HUGE_PAGES_SWITCH = "PNMIX_HUGE_PAGES"  # 1 (the default): host states on huge pages; 0: torch's pages
+HUGE_PAGES_SWITCH = "PNMIX_HUGE_PAGES"  # 1 (the default): long-lived host states on huge pages; 0: torch's pages
 LINE_BYTES = 64  # each tensor starts on a cache line, as torch's own allocator places them
 
 
 def huge_pages_wanted() -> bool:
+    """PNMIX_HUGE_PAGES as a bool (unset: 1); any value but 0 or 1 is a one-line error."""
     value = os.environ.get(HUGE_PAGES_SWITCH, "1")
     if value not in ("0", "1"):
         raise PnMixError(f"{HUGE_PAGES_SWITCH} must be 0 or 1, got {value!r}")
     return value == "1"
 
 
+@functools.lru_cache(maxsize=1)
+def huge_page_bytes() -> int:
+    """The size of a transparent huge page: 2 MiB on x86-64, 512 MiB on arm64 kernels with 64 KiB
+    pages (the kernel says; 2 MiB where it does not)."""
+    try:
+        return int(open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size", encoding="ascii").read())
+    except (OSError, ValueError):
+        return 2 << 20
+
+
 def zeros_on_huge_pages(specs: Dict[str, Tuple[Tuple[int, ...], torch.dtype]]) -> Optional[Dict[str, torch.Tensor]]:
     """Zeroed host tensors {name: (shape, dtype)} side by side in one anonymous mapping that the
     kernel is asked to back with transparent huge pages (madvise), or None where that cannot be
-    asked (not Linux, a Python without MADV_HUGEPAGE, or less than one huge page in all) or is not
-    wanted (PNMIX_HUGE_PAGES=0).
+    asked (not Linux, a Python without MADV_HUGEPAGE, less than one huge page in all, no mapping to
+    be had) or is not wanted (PNMIX_HUGE_PAGES=0).
 
     Why: a decode step reads every group of a long cache once, a few KiB from each of several
     tensors, so on 4 KiB pages nearly every read lands on a page the TLB does not hold; a 32K cache's
-    state (19 MB) is 10 huge pages (32K int8 step 2-6% faster, docs/BENCHMARKS.md 2.21). The mapping starts on a huge page so that every whole
-    huge page inside it can be one. The tensors keep the mapping alive; it is unmapped with the last.
-    Linux's "madvise" mode (the common default) honours the request; "never" ignores it, and the
-    tensors are ordinary pages, which is also what torch.zeros would give. Where the kernel's
-    defrag setting is "madvise" too, a first touch may wait for the kernel to compact memory into
-    a huge page; PNMIX_HUGE_PAGES=0 opts out."""
+    19.3 MB state lies on 9 huge pages and a 0.6 MB tail of small ones (docs/BENCHMARKS.md 2.21
+    measures the step on both). The mapping starts on a huge page so that every whole huge page
+    inside it can be one; the tail is left on small pages rather than rounded up to a whole huge
+    page of memory. The tensors keep the mapping alive; it is unmapped with the last. Linux's
+    "madvise" mode (the common default) honours the request; "never", or a kernel without huge
+    pages, ignores it or refuses it, and the tensors are ordinary pages, as torch.zeros would give.
+    Where the kernel's defrag setting is "madvise" too, a first touch may wait for the kernel to
+    compact memory into a huge page; PNMIX_HUGE_PAGES=0 opts out."""
     import mmap
 
     import torch
@@ -105,15 +117,22 @@ def zeros_on_huge_pages(specs: Dict[str, Tuple[Tuple[int, ...], torch.dtype]]) -
         at = -(-at // LINE_BYTES) * LINE_BYTES
         offsets[name] = at
         at += math.prod(shape) * dtype.itemsize
-    if not huge_pages_wanted() or at < HUGE_PAGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+    huge = huge_page_bytes()
+    if not huge_pages_wanted() or at < huge or not hasattr(mmap, "MADV_HUGEPAGE"):
         return None
-    mapping = mmap.mmap(-1, at + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    start = -torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE_BYTES
-    mapping.madvise(mmap.MADV_HUGEPAGE, start, at)
+    try:
+        mapping = mmap.mmap(-1, at + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:  # e.g. the process's mapping count at its limit: torch's allocator may still serve
+        return None
+    start = -torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr() % huge
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE, start, at)
+    except OSError:  # a kernel built without huge pages: the mapping is still zeroed memory
+        pass
     tensors = {}
     for name, (shape, dtype) in specs.items():
         count = math.prod(shape)
-        flat = torch.frombuffer(mapping, dtype=dtype, count=count, offset=start + offsets[name]) if count else \
-            torch.zeros(0, dtype=dtype)
+        flat = (torch.frombuffer(mapping, dtype=dtype, count=count, offset=start + offsets[name]) if count
+                else torch.zeros(0, dtype=dtype))
         tensors[name] = flat.view(shape)
     return tensors

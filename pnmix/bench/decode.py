@@ -116,7 +116,7 @@ def fill_cache(layout: CacheLayout, k: torch.Tensor, v: torch.Tensor, threads: O
     from pnmix.backends import default_ops
 
     append = default_ops("cpu").append
-    state = layout.empty_state()
+    state = layout.empty_state(huge_pages=True)  # a cache's, as PackedKVCache allocates it
     n = k.shape[2]
     for start in range(0, n, FILL_CHUNK):
         stop = min(n, start + FILL_CHUNK)

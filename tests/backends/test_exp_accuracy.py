@@ -34,8 +34,8 @@ pytestmark = [
 def kernel_options(kernel: str) -> list[str]:
     """The COMPILE_OPTIONS that plugins/CMakeLists.txt gives the kernel file."""
     text = (ROOT / "plugins/CMakeLists.txt").read_text()
-    for sources, options in re.findall(r"set_source_files_properties\(([^)]*?)PROPERTIES\s+COMPILE_OPTIONS\s+\"([^\"]+)\"",
-                                       text):
+    settings = r"set_source_files_properties\(([^)]*?)PROPERTIES\s+COMPILE_OPTIONS\s+\"([^\"]+)\""
+    for sources, options in re.findall(settings, text):
         if f"src/{kernel}" in sources.split():
             return options.split(";")
     raise AssertionError(f"plugins/CMakeLists.txt gives {kernel} no COMPILE_OPTIONS")
