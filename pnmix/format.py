@@ -213,8 +213,8 @@ class CacheLayout:
         specs = {name: (shape, STATE_DTYPES[name]) for name, shape in self.state_shapes().items()}
         check_fits(self.state_bytes, f"the cache state ({self.describe()})", "lower max_seq_len or batch",
                    str(device))
-        wanted = huge_pages_wanted()  # asked on every device: a wrong PNMIX_HUGE_PAGES is an error wherever it is set
-        huge_pages = wanted and huge_pages and torch.device(device).type == "cpu"
+        # the switch first, on every device: a wrong PNMIX_HUGE_PAGES is an error wherever it is set
+        huge_pages = huge_pages_wanted() and huge_pages and torch.device(device).type == "cpu"
         try:
             on_huge_pages = zeros_on_huge_pages(specs) if huge_pages else None
             return on_huge_pages or {name: torch.zeros(shape, dtype=dtype, device=device)

@@ -96,7 +96,7 @@ def zeros_on_huge_pages(specs: Dict[str, Tuple[Tuple[int, ...], torch.dtype]]) -
     """Zeroed host tensors {name: (shape, dtype)} side by side in one anonymous mapping that the
     kernel is asked to back with transparent huge pages (madvise), or None where that cannot be
     asked (not Linux, a Python without MADV_HUGEPAGE, less than one huge page in all, no mapping to
-    be had) or is not wanted (PNMIX_HUGE_PAGES=0).
+    be had). Whether they are wanted at all (PNMIX_HUGE_PAGES) is the caller's to ask.
 
     Why: a decode step reads every group of a long cache once, a few KiB from each of several
     tensors, so on 4 KiB pages nearly every read lands on a page the TLB does not hold; a 32K cache's
@@ -118,7 +118,7 @@ def zeros_on_huge_pages(specs: Dict[str, Tuple[Tuple[int, ...], torch.dtype]]) -
         offsets[name] = at
         at += math.prod(shape) * dtype.itemsize
     huge = huge_page_bytes()
-    if not huge_pages_wanted() or at < huge or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if at < huge or not hasattr(mmap, "MADV_HUGEPAGE"):
         return None
     try:
         mapping = mmap.mmap(-1, at + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

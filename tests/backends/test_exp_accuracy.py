@@ -15,7 +15,6 @@ import pytest
 
 from pnmix.machine import cpu_flags
 
-ROOT = Path(__file__).resolve().parents[2]
 PROGRAM = Path(__file__).with_name("exp_accuracy.cc")
 # (kernel file, the CPU flags it runs on)
 KERNELS = [("attend_avx2.cc", {"avx2", "fma", "f16c"}),
@@ -31,23 +30,11 @@ pytestmark = [
 ]
 
 
-def kernel_options(kernel: str) -> list[str]:
-    """The COMPILE_OPTIONS that plugins/CMakeLists.txt gives the kernel file."""
-    text = (ROOT / "plugins/CMakeLists.txt").read_text()
-    settings = r"set_source_files_properties\(([^)]*?)PROPERTIES\s+COMPILE_OPTIONS\s+\"([^\"]+)\""
-    for sources, options in re.findall(settings, text):
-        if f"src/{kernel}" in sources.split():
-            return options.split(";")
-    raise AssertionError(f"plugins/CMakeLists.txt gives {kernel} no COMPILE_OPTIONS")
-
-
 @pytest.mark.parametrize("kernel, needs", KERNELS, ids=[k for k, _ in KERNELS])
-def test_the_exponentials_are_as_accurate_as_their_comments_say(kernel, needs, tmp_path):
-    out = tmp_path / "exp_accuracy"
-    built = subprocess.run(["g++", "-O3", "-DNDEBUG", *kernel_options(kernel), f'-DKERNEL="{kernel}"',
-                            f"-I{ROOT / 'plugins/src'}", f"-I{ROOT / 'plugins/include'}", str(PROGRAM), "-o", str(out)],
-                           capture_output=True, text=True, timeout=600)
-    assert built.returncode == 0, built.stderr[-2000:]
+def test_the_exponentials_are_as_accurate_as_their_comments_say(kernel, needs, tmp_path, cmake_kernel_options,
+                                                                build_kernel_program):
+    flags = ["-O3", "-DNDEBUG", *cmake_kernel_options(kernel), f'-DKERNEL="{kernel}"']
+    out = build_kernel_program(PROGRAM, flags, tmp_path / "exp_accuracy")
     if not needs <= cpu_flags():
         pytest.skip(f"built; this CPU lacks {sorted(needs - cpu_flags())} to run the {kernel} build")
     done = subprocess.run([str(out)], capture_output=True, text=True, timeout=300)

@@ -36,14 +36,10 @@ HAS_VNNI = {"avx512vbmi", "avx512_vnni"} <= cpu_flags()  # what the tool's kerne
 
 
 @pytest.fixture(scope="module")
-def program(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("loop_bench") / "loop_bench"
+def program(tmp_path_factory, build_kernel_program) -> Path:
     flags = documented_flags()
     assert "-mavx512vnni" in flags and "-O3" in flags, flags
-    done = subprocess.run(["g++", *flags, f"-I{ROOT / 'plugins/src'}", f"-I{ROOT / 'plugins/include'}", str(TOOL),
-                           "-o", str(out)], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return out
+    return build_kernel_program(TOOL, flags, tmp_path_factory.mktemp("loop_bench") / "loop_bench")
 
 
 def test_runs_or_names_the_missing_instructions(program):
