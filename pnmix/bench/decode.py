@@ -56,7 +56,11 @@ kernel each arithmetic runs on (``machine.fp32_fma_isa``, ``machine.int8_madd_is
 ``machine.fp32_fma_gflops`` (independent fp32 FMAs, 8 or 16 lanes) and ``machine.int8_madd_gops``
 (the integer path's inner step: vpmaddubsw + vpaddw pairs on avx2, vpdpbusd on avx512vnni), both
 counting 2 operations per multiply-add; ``core_int8``'s ``int8_fraction`` is its share of the int8
-rate, and the notes print the step's multiply-adds at each rate.
+rate, and the notes print the step's multiply-adds at each rate. ``core_int8``'s
+``int8_stream_ceiling`` joins the two limits: the largest ``bandwidth_fraction`` a step that reads
+its bytes and does its multiply-adds at the int8 register rate can reach (1 where the bytes take
+longer than the products), so a goal stated as a share of the stream can be checked against what
+the instructions allow on this machine.
 """
 
 from __future__ import annotations
@@ -384,6 +388,13 @@ def decode_flops(batch: int, q_heads: int, context: int, head_dim: int) -> int:
     return 4 * batch * q_heads * context * head_dim
 
 
+def int8_stream_ceiling(bytes_read: int, stream_gbs: float, flops: int, int8_gops: float) -> float:
+    """The largest share of the stream bandwidth a step can reach whose multiply-adds (flops, 2 per
+    multiply-add) run at the int8 register rate: the time to stream its bytes over the time of its
+    products, capped at 1."""
+    return min(1.0, (bytes_read / stream_gbs) / (flops / int8_gops))
+
+
 def run_decode_bench(context: int, batch: int = defaults.DECODE_BATCH, q_heads: int = defaults.DECODE_Q_HEADS,
                      kv_heads: int = defaults.DECODE_KV_HEADS, head_dim: int = defaults.DECODE_HEAD_DIM,
                      threads: Optional[int] = None, device: str = "cpu", impls: Optional[str] = None,
@@ -456,6 +467,7 @@ def run_decode_bench(context: int, batch: int = defaults.DECODE_BATCH, q_heads: 
             r["isa"] = ctx["isa"][r["impl"]]
         if r["impl"] == "core_int8" and int8_rate:
             r["int8_fraction"] = r["gflops"] / int8_rate
+            r["int8_stream_ceiling"] = int8_stream_ceiling(r["bytes_read"], stream_gbs, flops, int8_rate)
     _restore_arith(ctx)
     _add_ratios(results)
     _add_agreement(results, outputs, ctx)
@@ -572,6 +584,9 @@ def _notes(report: dict) -> List[str]:
     for r in report["results"]:
         if "arith" in r and r["impl"] == "core_int8":
             share = f", {r['int8_fraction']:.0%} of the int8 rate" if "int8_fraction" in r else ""
+            if "int8_stream_ceiling" in r:
+                share += (f"; with its multiply-adds at that rate a step reaches at most "
+                          f"{r['int8_stream_ceiling']:.0%} of stream here")
             notes.append(f"core_int8 ran: {r['arith']} on the {r['isa']} kernel{share}")
     ratio = report["dense_fp16_bytes"] / report["packed_bytes"]
     notes.append(f"packed cache {report['packed_bytes'] / mb:.2f} MB vs fp16 {report['dense_fp16_bytes'] / mb:.2f} MB "

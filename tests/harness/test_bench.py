@@ -124,6 +124,16 @@ def test_core_agrees_with_reference(report):
     if int8 is not None:  # the integer path's own kernel, and the register rate of its instructions
         assert int8["isa"] in ("avx2", "avx512vnni")
         assert report["machine"]["int8_madd_isa"] == int8["isa"] and report["machine"]["int8_madd_gops"] > 0
+        # the ceiling joins the row's two shares: stream time over product time at the int8 rate
+        ceiling = min(1.0, int8["bandwidth_fraction"] / int8["int8_fraction"])
+        assert 0 < int8["int8_stream_ceiling"] <= 1 and int8["int8_stream_ceiling"] == pytest.approx(ceiling)
+
+
+def test_int8_stream_ceiling_is_stream_time_over_product_time():
+    # 19.32 MB at 56.3 GB/s is 0.343 ms; 537 M operations at 922.9 GOP/s are 0.582 ms
+    assert bench.int8_stream_ceiling(19_320_000, 56.3, 536_870_912, 922.9) == pytest.approx(0.5899, abs=1e-4)
+    # bytes that take longer than the products: the stream itself is the limit
+    assert bench.int8_stream_ceiling(19_320_000, 5.0, 536_870_912, 922.9) == 1.0
 
 
 def test_gpu_impls_are_skipped_with_a_reason_on_cpu():
