@@ -1,5 +1,6 @@
-"""Fixtures of the tests that build a C++ program from libpnmix_core's kernel sources with g++
-(tools/loop_bench.cc, tests/backends/exp_accuracy.cc): one place for the compiler's command."""
+"""Fixtures of the tests that build a C++ program with g++ (tools/loop_bench.cc and
+tests/backends/exp_accuracy.cc from libpnmix_core's kernel sources, tools/pipe_mix.cc): one place for
+the compiler's command and for reading a tool's documented one."""
 
 import re
 import subprocess
@@ -20,6 +21,15 @@ def kernel_options(kernel: str) -> list[str]:
     raise AssertionError(f"plugins/CMakeLists.txt gives {kernel} no COMPILE_OPTIONS")
 
 
+def documented_flags(tool: Path) -> list[str]:
+    """The compiler flags of the `g++ ... -o` build command in a tool's header comment: its test
+    builds it the way its users are told to."""
+    header = tool.read_text().split("\n#include", 1)[0]
+    command = header[header.index("//   g++") :]
+    command = command[: command.index(" -o ")]
+    return [word for word in command.replace("//", " ").split() if word.startswith(("-O", "-D", "-m"))]
+
+
 def build_with_kernels(source: Path, flags: list[str], out: Path) -> Path:
     """g++ FLAGS source -o out, with the kernels' headers and sources on the include path."""
     done = subprocess.run(["g++", *flags, f"-I{ROOT / 'plugins/src'}", f"-I{ROOT / 'plugins/include'}", str(source),
@@ -32,6 +42,12 @@ def build_with_kernels(source: Path, flags: list[str], out: Path) -> Path:
 def cmake_kernel_options():
     """kernel_options(kernel): a kernel file's flags as the library's build gives them."""
     return kernel_options
+
+
+@pytest.fixture(scope="session")
+def tool_flags():
+    """documented_flags(tool): the flags of a tool's documented build command."""
+    return documented_flags
 
 
 @pytest.fixture(scope="session")

@@ -16,13 +16,6 @@ ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools/loop_bench.cc"
 
 
-def documented_flags() -> list[str]:
-    """The compiler flags of the build command in the tool's header: the test builds it that way."""
-    header = TOOL.read_text().split("\n#include", 1)[0]
-    command = header[header.index("//   g++") : header.index("-o /tmp/loop_bench")]
-    return [word for word in command.replace("//", " ").split() if word.startswith(("-O", "-D", "-m"))]
-
-
 NS_LINE = re.compile(r"^(key|value) products .*: (\d+) ticks, ([0-9.]+) ns per group$")
 
 pytestmark = [
@@ -36,8 +29,8 @@ HAS_VNNI = {"avx512vbmi", "avx512_vnni"} <= cpu_flags()  # what the tool's kerne
 
 
 @pytest.fixture(scope="module")
-def program(tmp_path_factory, build_kernel_program) -> Path:
-    flags = documented_flags()
+def program(tmp_path_factory, build_kernel_program, tool_flags) -> Path:
+    flags = tool_flags(TOOL)
     assert "-mavx512vnni" in flags and "-O3" in flags, flags
     return build_kernel_program(TOOL, flags, tmp_path_factory.mktemp("loop_bench") / "loop_bench")
 
