@@ -3,12 +3,12 @@
 //   g++ -O2 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vbmi -mavx512vnni -mfma tools/pipe_mix.cc -o /tmp/pipe_mix
 //   /tmp/pipe_mix [rounds]
 //
-// The integer path's step is bound by its products: 2,048 512-bit vpdpbusd a 128-token group and
-// KV head of four query rows (docs/BENCHMARKS.md section 2.22). What else in the step slows them
-// depends on which pipes the CPU runs each instruction on, which no manual states for every
-// core. So this measures it: a loop of 12 independent vpdpbusd runs at the products' rate; 4 and
-// then 8 independent instances of one other instruction join each iteration, and the tool prints
-// what each added instance costs, in product slots (the iteration's extra time over 1/12 of the
+// The integer path's step does 2,048 512-bit vpdpbusd a 128-token group and KV head of four query
+// rows; which of its other instructions compete with them for a pipe (docs/BENCHMARKS.md section
+// 2.22 counts them) depends on the core, and no manual states it for every one. So this measures
+// it: a loop of 12 independent vpdpbusd runs at the products' rate; 4 and then 8 independent
+// instances of one other instruction join each iteration, and the tool prints what each added
+// instance costs, in product slots (the iteration's extra time over 1/12 of the
 // products' time): about 0 where the instruction runs beside the products, about 1 where it takes a
 // product's slot (vpdpbusd itself, as the control), between where it competes for part of one.
 // Rising from the +4 to the +8 column: the instruction's own pipe fills up. Best of `rounds` runs
@@ -46,7 +46,7 @@ constexpr long kMaxRounds = 1000;
   X(vpsrlvw, "vpsrlvw %2, %1, %0", "=v")                    \
   X(vpaddd, "vpaddd %2, %1, %0", "=v")
 
-// 12 products, then `added` instances of the instruction, per iteration; best ticks per iteration.
+// 12 products, then Added instances of the instruction, per iteration; best ticks per iteration.
 template <int Added, typename Add>
 double ticks_per_iteration(long rounds, Add add) {
   static_assert(Added == 0 || Added == 4 || Added == 8, "0, 4 or 8 instances, one register each");
