@@ -41,6 +41,7 @@ struct Group {
 
   Group() {
     L.config.group_size = 128;
+    L.config.high_ratio = 0.5;  // half the channels at the high width, as the classes below
     L.config.key_high_bits = 3;
     L.config.key_low_bits = 1;
     L.config.value_bits = 2;
@@ -53,9 +54,15 @@ struct Group {
     // the classes in a scattered channel order, as the magnitude order leaves them; each channel's
     // codes where the group's key codes hold them (channel-major, in channel order)
     int64_t* offsets = ensure(sc.offsets, D);
-    for (int64_t c = 0, at = 0; c < D; ++c) {
-      offsets[c] = at;
-      at += gs / 8 * (c % 4 < 2 ? L.config.key_high_bits : L.config.key_low_bits);
+    int64_t group_bytes = 0;
+    for (int64_t c = 0; c < D; ++c) {
+      offsets[c] = group_bytes;
+      group_bytes += gs / 8 * (c % 4 < 2 ? L.config.key_high_bits : L.config.key_low_bits);
+    }
+    if (group_bytes != key_group_bytes(L)) {  // the codes must be where the format puts a group's
+      fprintf(stderr, "error: the bench's channel classes hold %lld bytes, the format's group %lld\n",
+              (long long)group_bytes, (long long)key_group_bytes(L));
+      exit(1);
     }
     sc.high.clear();
     sc.low.clear();

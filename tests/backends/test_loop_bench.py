@@ -47,6 +47,19 @@ def test_runs_or_names_the_missing_instructions(program):
     assert all(ns > 0 for ns in found.values())
 
 
+def test_reads_and_writes_only_its_buffers(tmp_path_factory, build_kernel_program, tool_flags):
+    # AddressSanitizer over the kernel's loops on the tool's group: the wide key loads' reach past a
+    # chunk must stay inside the codes' buffer (the tool once sized it for a layout without high
+    # channels and read 2 KiB past it, unseen)
+    if not HAS_VNNI:
+        pytest.skip("this CPU has no AVX-512 VNNI and VBMI, the kernel these loops belong to")
+    flags = [f for f in tool_flags(TOOL) if not f.startswith("-O")]
+    flags += ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
+    program = build_kernel_program(TOOL, flags, tmp_path_factory.mktemp("loop_bench_asan") / "loop_bench")
+    done = subprocess.run([str(program), "3"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "Sanitizer" not in done.stderr, done.stderr[-3000:]
+
+
 @pytest.mark.parametrize("calls", ["0", "-3", "many", "12x", "1e3", "", "100000001", "99999999999999999999"])
 def test_refuses_a_bad_call_count(program, calls):
     done = subprocess.run([str(program), calls], capture_output=True, text=True, timeout=60)
