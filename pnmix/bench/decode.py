@@ -60,7 +60,8 @@ rate, and the notes print the step's multiply-adds at each rate. ``core_int8``'s
 ``int8_stream_ceiling`` joins the two limits: the largest ``bandwidth_fraction`` a step that reads
 its bytes and does its multiply-adds at the int8 register rate can reach (1 where the bytes take
 longer than the products), so a goal stated as a share of the stream can be checked against what
-the instructions allow on this machine.
+the instructions allow on this machine. Only where both halves ran the integer path (``arith``
+"int8"): with one half in fp32 the int8 rate bounds nothing.
 """
 
 from __future__ import annotations
@@ -467,7 +468,8 @@ def run_decode_bench(context: int, batch: int = defaults.DECODE_BATCH, q_heads: 
             r["isa"] = ctx["isa"][r["impl"]]
         if r["impl"] == "core_int8" and int8_rate:
             r["int8_fraction"] = r["gflops"] / int8_rate
-            r["int8_stream_ceiling"] = int8_stream_ceiling(r["bytes_read"], stream_gbs, flops, int8_rate)
+            if r.get("arith") == "int8":  # both halves on the integer path: all its products at that rate
+                r["int8_stream_ceiling"] = int8_stream_ceiling(r["bytes_read"], stream_gbs, flops, int8_rate)
     _restore_arith(ctx)
     _add_ratios(results)
     _add_agreement(results, outputs, ctx)
