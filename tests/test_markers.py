@@ -30,6 +30,7 @@ SLOW_MODULES = {
     "tests/backends/test_phase_times.py": "builds libpnmix_core once more, with the phase timers",
     "tests/backends/test_loop_bench.py": "compiles the VNNI kernel's source into tools/loop_bench.cc",
     "tests/backends/test_exp_accuracy.py": "compiles two kernel files with g++ and runs 2^22 points per exponential",
+    "tests/backends/test_core_sanitized.py": "builds libpnmix_core with AddressSanitizer and runs core tests under it",
 }
 
 MARKED_SLOW = re.compile(r"\bmark\.slow\b")
