@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import time
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 
@@ -260,6 +260,22 @@ class CoreOps(CacheOps):
 
     def set_isa(self, name: str) -> None:
         check(self.lib, self.lib.pnmix_set_attend_isa(name.encode()))
+
+    # the kernels pnmix_set_attend_isa names, besides auto (attend_dispatch.cc)
+    KERNELS = ("scalar", "avx2", "avx512", "avx512vbmi", "avx512vnni")
+
+    def each_kernel(self) -> Iterator[str]:
+        """Force each kernel this CPU (and build) has in turn, yielding its name; auto again after
+        the last, or when the caller stops early. Process-wide, as set_isa."""
+        try:
+            for name in self.KERNELS:
+                try:
+                    self.set_isa(name)
+                except PnMixError:
+                    continue  # this CPU lacks it
+                yield name
+        finally:
+            self.set_isa("auto")
 
     def arith(self) -> str:
         """The arithmetic requested for the packed groups: fp32 (exact, the default) or int8."""

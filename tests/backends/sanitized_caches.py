@@ -9,7 +9,6 @@ import torch
 from pnmix.backends.core_ops import CoreOps
 from pnmix.cache import PackedKVCache
 from pnmix.config import PnMixConfig
-from pnmix.errors import PnMixError
 
 LAYOUTS = {  # (config, kv heads, query heads, head dim)
     "bench shape": (PnMixConfig(), 8, 32, 128),
@@ -18,7 +17,6 @@ LAYOUTS = {  # (config, kv heads, query heads, head dim)
     "wide keys": (PnMixConfig(key_high_bits=5, group_size=64, residual_size=64), 2, 4, 128),
     "small groups": (PnMixConfig(group_size=32, residual_size=32, sink_tokens=4, value_group_size=32), 2, 6, 32),
 }
-ISAS = ("scalar", "avx2", "avx512", "avx512vbmi", "avx512vnni")
 
 
 def main() -> None:
@@ -31,17 +29,12 @@ def main() -> None:
             cache = PackedKVCache(config, kv_heads, head_dim, tokens, ops=ops)
             kv = torch.randn(2, 1, kv_heads, tokens, head_dim, generator=generator).half()
             cache.append(kv[0], kv[1])
-            for isa in ISAS:
-                try:
-                    ops.set_isa(isa)
-                except PnMixError:
-                    continue  # not on this CPU
+            for isa in ops.each_kernel():
                 for queries in (1, 5):
                     q = torch.randn(1, q_heads, queries, head_dim, generator=generator).half()
                     out = cache.attend(q)
                     assert bool(torch.isfinite(out).all()), (name, arith, isa, queries)
                 print(f"{name}: {ops.arith_for(cache.layout)} on {isa}, {cache.lengths()}")
-            ops.set_isa("auto")
     ops.set_arith("auto")
     print("done")
 

@@ -140,12 +140,7 @@ def test_attention_within_tolerance_of_reference(ops, name):
     k_new, v_new = k[:, :, seq_len:], v[:, :, seq_len:]
     q = torch.randn(2, 8, 4, 32, generator=torch.Generator().manual_seed(5)).half()
     expected = reference.attend(q, layout, state, seq_len, k_new, v_new)
-    isas = ["scalar", "avx2", "avx512", "avx512vbmi", "avx512vnni"]
-    for isa in isas:
-        try:
-            ops.set_isa(isa)
-        except PnMixError:
-            continue  # this CPU lacks it
+    for isa in ops.each_kernel():
         for threads in (1, 3):
             ops.threads = threads
             got = ops.attend(q, layout, state, seq_len, k_new, v_new)
@@ -154,7 +149,6 @@ def test_attention_within_tolerance_of_reference(ops, name):
         got = ops.attend(q[:, :, -1:].float(), layout, state, seq_len, None, None)
         want = reference.attend(q[:, :, -1:].float(), layout, state, seq_len)
         assert (got - want).abs().max().item() <= 1e-3, isa
-    ops.set_isa("auto")
     ops.threads = 0
 
 
@@ -399,16 +393,11 @@ def test_a_long_chunk_splits_its_rows_and_stays_within_tolerance(ops, name, head
     expected = reference.attend(q, layout, state, seq_len, k_new, v_new)
     first = reference.attend(q[:, :, :1], layout, state, seq_len, k_new[:, :, :1], v_new[:, :, :1])
     assert (expected[:, :, :1] - first).abs().max().item() <= 1e-5  # the reference is causal
-    for isa in ["scalar", "avx2", "avx512", "avx512vbmi", "avx512vnni"]:
-        try:
-            ops.set_isa(isa)
-        except PnMixError:
-            continue  # this CPU lacks it
+    for isa in ops.each_kernel():
         for threads in (1, 2, 3):
             ops.threads = threads
             got = ops.attend(q, layout, state, seq_len, k_new, v_new)
             assert (got - expected).abs().max().item() <= 1e-3, (isa, threads)
-    ops.set_isa("auto")
     ops.threads = 0
 
 
