@@ -1,6 +1,7 @@
-"""Fixtures of the tests that build a C++ program with g++ (tools/loop_bench.cc and
-tests/backends/exp_accuracy.cc from libpnmix_core's kernel sources, tools/pipe_mix.cc): one place for
-the compiler's command and for reading a tool's documented one."""
+"""Fixtures of the tests that build C++ themselves: programs with g++ (tools/loop_bench.cc and
+tests/backends/exp_accuracy.cc from libpnmix_core's kernel sources, tools/pipe_mix.cc) and variants
+of libpnmix_core with CMake (the phase timers, AddressSanitizer): one place for each command and for
+reading a tool's documented one."""
 
 import re
 import subprocess
@@ -38,16 +39,45 @@ def build_with_kernels(source: Path, flags: list[str], out: Path) -> Path:
     return out
 
 
+def build_core_variant(build: Path, *options: str) -> Path:
+    """libpnmix_core alone (no CUDA, TensorRT or examples) configured with extra CMake options into
+    the folder build, which is returned."""
+    for step in (["cmake", "-S", str(ROOT / "plugins"), "-B", str(build), *options,
+                  "-DPNMIX_BUILD_CUDA=OFF", "-DPNMIX_BUILD_TRT=OFF", "-DPNMIX_BUILD_EXAMPLES=OFF"],
+                 ["cmake", "--build", str(build), "--target", "pnmix_core", "-j", "2"]):
+        done = subprocess.run(step, capture_output=True, text=True, timeout=1200)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return build
+
+
 @pytest.fixture(scope="session")
-def cmake_kernel_options():
-    """kernel_options(kernel): a kernel file's flags as the library's build gives them."""
-    return kernel_options
+def core_variant():
+    """build_core_variant(build, *cmake_options) -> build."""
+    return build_core_variant
 
 
 @pytest.fixture(scope="session")
 def tool_flags():
     """documented_flags(tool): the flags of a tool's documented build command."""
     return documented_flags
+
+
+@pytest.fixture(scope="session")
+def documented_tool():
+    """build(tool, folder, extra_flags=()) -> the tool built with its documented flags (then extra_flags,
+    whose -O replaces the documented one) as folder/<tool's stem>."""
+    def build(tool: Path, folder: Path, extra_flags: tuple[str, ...] = ()) -> Path:
+        flags = documented_flags(tool)
+        if any(f.startswith("-O") for f in extra_flags):
+            flags = [f for f in flags if not f.startswith("-O")]
+        return build_with_kernels(tool, [*flags, *extra_flags], folder / tool.stem)
+    return build
+
+
+@pytest.fixture(scope="session")
+def cmake_kernel_options():
+    """kernel_options(kernel): a kernel file's flags as the library's build gives them."""
+    return kernel_options
 
 
 @pytest.fixture(scope="session")

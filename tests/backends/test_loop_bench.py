@@ -29,10 +29,13 @@ HAS_VNNI = {"avx512vbmi", "avx512_vnni"} <= cpu_flags()  # what the tool's kerne
 
 
 @pytest.fixture(scope="module")
-def program(tmp_path_factory, build_kernel_program, tool_flags) -> Path:
+def program(tmp_path_factory, documented_tool) -> Path:
+    return documented_tool(TOOL, tmp_path_factory.mktemp("loop_bench"))
+
+
+def test_the_documented_command_builds_the_vnni_kernel_optimized(tool_flags):
     flags = tool_flags(TOOL)
     assert "-mavx512vnni" in flags and "-O3" in flags, flags
-    return build_kernel_program(TOOL, flags, tmp_path_factory.mktemp("loop_bench") / "loop_bench")
 
 
 def test_runs_or_names_the_missing_instructions(program):
@@ -47,15 +50,14 @@ def test_runs_or_names_the_missing_instructions(program):
     assert all(ns > 0 for ns in found.values())
 
 
-def test_reads_and_writes_only_its_buffers(tmp_path_factory, build_kernel_program, tool_flags):
+def test_reads_and_writes_only_its_buffers(tmp_path_factory, documented_tool):
     # AddressSanitizer over the kernel's loops on the tool's group: the wide key loads' reach past a
     # chunk must stay inside the codes' buffer (the tool once sized it for a layout without high
     # channels and read 2 KiB past it, unseen)
     if not HAS_VNNI:
         pytest.skip("this CPU has no AVX-512 VNNI and VBMI, the kernel these loops belong to")
-    flags = [f for f in tool_flags(TOOL) if not f.startswith("-O")]
-    flags += ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
-    program = build_kernel_program(TOOL, flags, tmp_path_factory.mktemp("loop_bench_asan") / "loop_bench")
+    sanitizers = ("-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined", "-fno-sanitize-recover=all")
+    program = documented_tool(TOOL, tmp_path_factory.mktemp("loop_bench_asan"), sanitizers)
     done = subprocess.run([str(program), "3"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "Sanitizer" not in done.stderr, done.stderr[-3000:]
 

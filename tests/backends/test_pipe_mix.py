@@ -29,10 +29,13 @@ def listed_instructions() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def program(tmp_path_factory, build_kernel_program, tool_flags) -> Path:
+def program(tmp_path_factory, documented_tool) -> Path:
+    return documented_tool(TOOL, tmp_path_factory.mktemp("pipe_mix"))
+
+
+def test_the_documented_command_builds_with_vnni_and_vbmi(tool_flags):
     flags = tool_flags(TOOL)
     assert "-mavx512vnni" in flags and "-mavx512vbmi" in flags, flags
-    return build_kernel_program(TOOL, flags, tmp_path_factory.mktemp("pipe_mix") / "pipe_mix")
 
 
 def test_prints_a_row_per_instruction_or_names_the_missing_ones(program):
