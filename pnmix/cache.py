@@ -62,12 +62,12 @@ def fp16_kv(k: torch.Tensor, v: torch.Tensor, device: torch.device, first_token:
     """K/V as the cache stores them (fp16 on device), refused when not finite there: Inf would
     saturate to a finite step and quantize silently, NaN codes are backend-defined
     (docs/HARDENING.md section 3)."""
-    k16, v16 = (t.to(device=device, dtype=torch.float16) for t in (k, v))
+    # (detached: K/V that carry autograd, a model run without no_grad, warn when read as floats)
+    k16, v16 = (t.to(device=device, dtype=torch.float16) for t in (_detached(k), _detached(v)))
     # One reduction per tensor, in fp32: finite fp16 values cannot overflow it, and a NaN or an
     # Inf anywhere makes the sum NaN or infinite (a decode step pays this per layer, so it is kept
     # to two small ops; the slow check below only names the culprit).
-    # (detached: K/V that carry autograd, a model run without no_grad, warn when read as floats)
-    if math.isfinite(float(k16.detach().sum(dtype=torch.float32)) + float(v16.detach().sum(dtype=torch.float32))):
+    if math.isfinite(float(k16.sum(dtype=torch.float32)) + float(v16.sum(dtype=torch.float32))):
         return k16, v16
     for name, t16 in (("keys", k16), ("values", v16)):
         if not bool(torch.isfinite(t16).all()):
@@ -76,6 +76,10 @@ def fp16_kv(k: torch.Tensor, v: torch.Tensor, device: torch.device, first_token:
                 f"tokens {first_token}..{first_token + t16.shape[2] - 1}; the cache takes finite fp16 K/V only"
             )
     return k16, v16
+
+
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    return t.detach() if t.requires_grad else t  # a tensor op fewer per decode step and layer
 
 
 def check_new_kv(layout: CacheLayout, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -185,6 +189,14 @@ class CacheOps(ABC):
     def attend(self, q, layout: CacheLayout, state: State, seq_len: int, k_new, v_new) -> torch.Tensor:
         """fp32 [B, Hq, nq, D]: q over the cache then k_new/v_new (queries are the last nq)."""
 
+    def attend_append(self, q, layout: CacheLayout, state: State, seq_len: int, k: torch.Tensor,
+                      v: torch.Tensor) -> torch.Tensor:
+        """A decode step: attend(q, ..., k, v), then append(..., k, v); the attention's output.
+        A backend whose two calls share checks and buffers does both at once (the core)."""
+        out = self.attend(q, layout, state, seq_len, k, v)
+        self.append(layout, state, seq_len, k, v)
+        return out
+
 
 class ReferenceOps(CacheOps):
     """The PyTorch reference's ops (the ``torch`` backend): what every other backend is compared with."""
@@ -224,16 +236,35 @@ class PackedKVCache:
 
     # ---- the two mechanisms ---------------------------------------------------------------
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Append fp16 K/V [B, H, n, D]; flushes full residuals; the first call sets the mask."""
+        """Append K/V [B, H, n, D] (stored as fp16); flushes full residuals; the first call sets the mask."""
         check_new_kv(self.layout, k, v)
-        n = k.shape[2]
-        check_room(self.seq_len, n, self.layout.max_seq_len)
+        check_room(self.seq_len, k.shape[2], self.layout.max_seq_len)
+        if k.shape[2]:
+            self.append_fp16(*fp16_kv(k, v, self.device, self.seq_len))  # checked before the state changes
+
+    # The transformers layer checks a step's K/V once, at its update (before the attention runs):
+    # these two take K/V that check_new_kv and fp16_kv have passed, and skip that second pass.
+    def append_fp16(self, k16: torch.Tensor, v16: torch.Tensor) -> None:
+        """append for checked fp16 K/V (what fp16_kv returned for tensors check_new_kv passed)."""
+        n = k16.shape[2]
+        if n:
+            check_room(self.seq_len, n, self.layout.max_seq_len)
+            self.ops.append(self.layout, self.state, self.seq_len, k16, v16)
+            self._appended(n)
+
+    def attend_append_fp16(self, q: torch.Tensor, k16: torch.Tensor, v16: torch.Tensor) -> torch.Tensor:
+        """A decode step over checked fp16 K/V: attend(q, k16, v16), then append_fp16(k16, v16)."""
+        n = k16.shape[2]
         if n == 0:
-            return
-        k, v = fp16_kv(k, v, self.device, self.seq_len)  # before the state changes
+            return self.ops.attend(q, self.layout, self.state, self.seq_len, k16, v16)
+        check_room(self.seq_len, n, self.layout.max_seq_len)
+        out = self.ops.attend_append(q, self.layout, self.state, self.seq_len, k16, v16)
+        self._appended(n)
+        return out
+
+    def _appended(self, n: int) -> None:
         if self.seq_len == 0:
-            self.saliency_computations += 1
-        self.ops.append(self.layout, self.state, self.seq_len, k, v)
+            self.saliency_computations += 1  # the first append chose the pair mask
         self.seq_len += n
 
     def attend(self, q: torch.Tensor, k_new=None, v_new=None, return_probs: bool = False):

@@ -78,7 +78,16 @@ def c_state(state: Dict[str, torch.Tensor]) -> CState:
 def _fp16(t: torch.Tensor, what: str) -> torch.Tensor:
     if t.device.type != "cpu":
         raise PnMixError(f"the core backend needs CPU tensors; {what} is on {t.device}")
+    if t.dtype == torch.float16 and t.is_contiguous():
+        return t  # what the caches hand over: no tensor op (a decode step makes these per layer)
     return t.to(torch.float16).contiguous()
+
+
+def _cpu_query(q: torch.Tensor) -> torch.Tensor:
+    """Queries as the kernels take them: contiguous fp16, or fp32 (bf16 and others are exact in fp32)."""
+    if q.device.type != "cpu":
+        raise PnMixError(f"the core backend needs CPU tensors; q is on {q.device}")
+    return (q if q.dtype == torch.float16 else q.float()).contiguous()
 
 
 def _paged_pages(layout: CacheLayout, pages: torch.Tensor, block_size: int) -> CPagedState:
@@ -128,26 +137,39 @@ class CoreOps(CacheOps):
 
     def append(self, layout, state, seq_len, k, v):
         check_new_kv(layout, k, v)
-        k, v = _fp16(k, "keys"), _fp16(v, "values")
-        n = k.shape[2]
-        lay, st = c_layout(layout), c_state(state)
-        check(self.lib, self.lib.pnmix_append(ctypes.byref(lay), ctypes.byref(st), seq_len, _ptr(k), _ptr(v),
-                                              n, _nbytes(k)))
+        self._append(c_layout(layout), c_state(state), seq_len, _fp16(k, "keys"), _fp16(v, "values"))
 
     def attend(self, q, layout, state, seq_len, k_new=None, v_new=None):
         check_queries(layout, seq_len, q, k_new, v_new)
-        if q.device.type != "cpu":
-            raise PnMixError(f"the core backend needs CPU tensors; q is on {q.device}")
-        is_fp32 = q.dtype != torch.float16  # fp32 as given; bf16 and others are exact in fp32
-        q = (q.float() if is_fp32 else q).contiguous()
-        batch, q_heads, nq, _ = q.shape
-        n_new = 0 if k_new is None else k_new.shape[2]
-        if n_new:
+        q = _cpu_query(q)
+        if k_new is not None and k_new.shape[2]:
             k_new, v_new = _fp16(k_new, "k_new"), _fp16(v_new, "v_new")
         else:
             k_new = v_new = None
-        out = torch.empty(batch, q_heads, nq, layout.head_dim, dtype=torch.float32)
+        return self._attend(c_layout(layout), c_state(state), seq_len, q, k_new, v_new)
+
+    def attend_append(self, q, layout, state, seq_len, k, v):
+        # one set of checks and C structs for both calls (a decode step makes them for every layer)
+        check_queries(layout, seq_len, q, k, v)
+        q, k, v = _cpu_query(q), _fp16(k, "k_new"), _fp16(v, "v_new")
         lay, st = c_layout(layout), c_state(state)
+        out = self._attend(lay, st, seq_len, q, k, v)
+        self._append(lay, st, seq_len, k, v)
+        return out
+
+    def _append(self, lay: CLayout, st: CState, seq_len: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """pnmix_append of fp16 CPU K/V (checked by the caller)."""
+        check(self.lib, self.lib.pnmix_append(ctypes.byref(lay), ctypes.byref(st), seq_len, _ptr(k), _ptr(v),
+                                              k.shape[2], _nbytes(k)))
+
+    def _attend(self, lay: CLayout, st: CState, seq_len: int, q: torch.Tensor, k_new: Optional[torch.Tensor],
+                v_new: Optional[torch.Tensor]) -> torch.Tensor:
+        """pnmix_attend of _cpu_query's queries (checked against the layout by the caller) and fp16
+        CPU K/V or None."""
+        is_fp32 = q.dtype == torch.float32
+        batch, q_heads, nq, head_dim = q.shape
+        n_new = 0 if k_new is None else k_new.shape[2]
+        out = torch.empty(batch, q_heads, nq, head_dim, dtype=torch.float32)
         check(self.lib, self.lib.pnmix_attend(
             ctypes.byref(lay), ctypes.byref(st), seq_len, _ptr(q), int(is_fp32), q_heads, nq, _nbytes(q),
             _ptr(k_new), _ptr(v_new), n_new, _nbytes(k_new), _ptr(out), _nbytes(out), self.threads))
@@ -162,8 +184,7 @@ class CoreOps(CacheOps):
         or int64, 1-D), slot the sequence's sink_k, sink_v, residual_k, residual_v and pair_mask as
         batch-1 state tensors. Equals attend over the gathered state, bit for bit."""
         check_queries(layout, seq_len, q, k_new, v_new)
-        if q.device.type != "cpu":
-            raise PnMixError(f"the core backend needs CPU tensors; q is on {q.device}")
+        q = _cpu_query(q)
         c = _paged_pages(layout, pages, block_size)
         _check_block_ids(block_table, 1)
         c.block_table, c.table_blocks, c.block_id_bytes = _ptr(block_table), block_table.numel(), block_table.element_size()
@@ -174,8 +195,7 @@ class CoreOps(CacheOps):
         for k_name, v_name in (("sink_k", "sink_v"), ("residual_k", "residual_v")):
             if _nbytes(slot[k_name]) != _nbytes(slot[v_name]):
                 raise PnMixError(f"slot tensors '{k_name}' and '{v_name}' differ in size")
-        is_fp32 = q.dtype != torch.float16
-        q = (q.float() if is_fp32 else q).contiguous()
+        is_fp32 = q.dtype == torch.float32
         _, q_heads, nq, _ = q.shape
         if k_new is not None and v_new is not None and k_new.shape[2]:  # both or neither (check_queries)
             k_new, v_new = _fp16(k_new, "k_new"), _fp16(v_new, "v_new")
@@ -226,9 +246,8 @@ class CoreOps(CacheOps):
         bad = [s for s in slot_ids if not 0 <= s < num_slots]
         if bad:
             raise PnMixError(f"slot id {bad[0]} outside 0..{num_slots - 1}")
-        is_fp32 = q.dtype != torch.float16
-        q = (q.float() if is_fp32 else q).contiguous()
-        k16, v16 = _fp16(k_new, "k_new"), _fp16(v_new, "v_new")
+        q, k16, v16 = _cpu_query(q), _fp16(k_new, "k_new"), _fp16(v_new, "v_new")
+        is_fp32 = q.dtype == torch.float32
         out = torch.empty(n, q.shape[1], d, dtype=torch.float32)
         seqs = (CPagedSequence * n)()
         slot_base = {name: (slots[name].data_ptr(), _nbytes(slots[name]) // num_slots) for name in SLOT_TENSORS}

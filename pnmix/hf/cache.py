@@ -136,9 +136,10 @@ class PnMixLayer(CacheLayerMixin):
         step, packed = self.pending, self.packed_cache()
         if step is None:
             raise PnMixError(f"layer {self.layer_idx} has no step waiting for the pnmix attention")
-        out = packed.ops.attend(query.to(torch.float16).contiguous(), packed.layout, packed.state,
-                                step.seq_before, step.k_new, step.v_new)
-        self.commit()
+        flushed = self._flushed_by(step.k_new, step.v_new)
+        out = packed.attend_append_fp16(query, step.k_new, step.v_new)  # update checked the K/V
+        self._keep_flushed(flushed)
+        self.pending = None
         return out
 
     def expected_mask(self, kv: int, nq: int, device) -> torch.Tensor:
@@ -146,29 +147,33 @@ class PnMixLayer(CacheLayerMixin):
         positions = torch.arange(kv - nq, kv, device=device).unsqueeze(-1)
         return torch.arange(kv, device=device).unsqueeze(0) <= positions
 
-    def commit(self) -> None:
-        """Append the step the packed attention has just read (attention first, then append)."""
-        step, self.pending = self.pending, None
-        if step is not None:
-            self._append(step.k_new, step.v_new)
-
     def _append(self, k16: torch.Tensor, v16: torch.Tensor) -> None:
-        """Append to the packed cache; while recording the past, first keep the fp16 K/V of the
-        groups this append flushes."""
+        """Append K/V that update checked (fp16) to the packed cache, recording the past."""
         packed = self.packed_cache()
         if packed.seq_len == 0:
             self.prefill_tokens = k16.shape[2]
             # assisted decoding's first forward is the prompt AND the first drafted tokens: a crop
             # into it redoes the prefill from these (the pair mask comes from the prefill's keys)
             self.prefill_kv = (k16, v16) if self.record_past else None
-        if self.record_past:
-            before, after, stream_k, stream_v = residual_stream(packed.layout, packed.state, packed.seq_len, k16, v16)
-            size = self.config.group_size
-            for group in range(after.groups - before.groups):
-                part = slice(group * size, (group + 1) * size)
-                self.flushed.append((stream_k[:, :, part].clone(), stream_v[:, :, part].clone()))
-            del self.flushed[:-MAX_KEPT_GROUPS]
-        packed.append(k16, v16)
+        flushed = self._flushed_by(k16, v16)
+        packed.append_fp16(k16, v16)
+        self._keep_flushed(flushed)
+
+    def _flushed_by(self, k16: torch.Tensor, v16: torch.Tensor) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """While recording the past, the fp16 K/V [B, H, group, D] of each group an append of
+        k16/v16 will flush (read from the residual before the append); else none."""
+        if not self.record_past:
+            return []
+        packed = self.packed_cache()
+        before, after, stream_k, stream_v = residual_stream(packed.layout, packed.state, packed.seq_len, k16, v16)
+        size = self.config.group_size
+        parts = [slice(group * size, (group + 1) * size) for group in range(after.groups - before.groups)]
+        return [(stream_k[:, :, part].clone(), stream_v[:, :, part].clone()) for part in parts]
+
+    def _keep_flushed(self, flushed: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """After the append that flushed them: keep them (the last MAX_KEPT_GROUPS) for crop."""
+        self.flushed += flushed
+        del self.flushed[:-MAX_KEPT_GROUPS]
 
     def packed_cache(self) -> PackedKVCache:
         """The layer's packed cache, made by its first update."""
@@ -387,13 +392,12 @@ class PnMixLayer(CacheLayerMixin):
         positions = forward_kwargs.get("position_ids")
         if not isinstance(positions, torch.Tensor) or positions.dim() != 2 or positions.numel() == 0:
             return
-        first = positions[:, :1]
         if positions.shape[0] > 1 and not bool((positions == positions[:1]).all()):
             raise PnMixError(
                 "PnMixCache takes a batch of equal-length prompts; these rows have different position ids "
                 "(a left-padded batch?): pad-free prompts of one length, or one prompt per call"
             )
-        start = int(first[0, 0])
+        start = int(positions[0, 0])
         if start != seq_len:
             raise PnMixError(
                 f"position ids start at {start} but the cache holds {seq_len} tokens of layer "

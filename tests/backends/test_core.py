@@ -152,6 +152,28 @@ def test_attention_within_tolerance_of_reference(ops, name):
     ops.threads = 0
 
 
+@pytest.mark.parametrize("arith_name", ["fp32", "int8"])
+def test_a_decode_step_in_one_call_is_bit_identical_to_attend_then_append(ops, arith_name):
+    """attend_append (one set of checks and C structs) against attend and then append, step by
+    step across flushes, on every kernel: the same output and the same state bytes."""
+    layout = CacheLayout(CONFIGS["other"], 2, 2, 32, 520)
+    k, v = make_random_kv(2, 2, 520, 32, seed=3)
+    q = torch.randn(2, 8, 1, 32, generator=torch.Generator().manual_seed(6)).half()
+    try:
+        for isa in ops.each_kernel():
+            ops.set_arith(arith_name if isa != "scalar" else "fp32")
+            apart, seq_len = run_schedule(ops.append, layout, [300], k, v)
+            together = {name: t.clone() for name, t in apart.items()}
+            for t in range(seq_len, 520):
+                new_k, new_v = k[:, :, t:t + 1], v[:, :, t:t + 1]
+                want = ops.attend(q, layout, apart, t, new_k, new_v)
+                ops.append(layout, apart, t, new_k, new_v)
+                assert torch.equal(ops.attend_append(q, layout, together, t, new_k, new_v), want), (isa, t)
+            assert dump.dump_state(layout, apart, 520) == dump.dump_state(layout, together, 520), isa
+    finally:
+        ops.set_arith("auto")
+
+
 def test_attention_prefill_and_causality(ops):
     """Empty cache: causal attention over the new tokens alone; each query sees only its past."""
     layout = CacheLayout(CONFIGS["manifest"], 1, 2, 32, 64)

@@ -95,6 +95,56 @@ def test_capacity_is_an_error_and_leaves_the_cache_untouched(random_kv):
     assert all(torch.equal(before[n], cache.state[n]) for n in before)
 
 
+def _steps_both_ways(random_kv, prefill, steps):
+    """Two caches given the same prefill and decode steps: one attends and then appends each
+    step, the other takes each in one attend_append_fp16 call; their outputs, per step."""
+    k, v = random_kv(1, 2, prefill + steps, 32, seed=4)
+    q = torch.randn(1, 4, 1, 32, generator=torch.Generator().manual_seed(9)).half()
+    apart, together = (PackedKVCache(PnMixConfig(), 2, 32, prefill + steps) for _ in range(2))
+    outs = []
+    for t in range(prefill + steps):
+        new_k, new_v = k[:, :, t:t + 1].contiguous(), v[:, :, t:t + 1].contiguous()
+        if t < prefill:
+            apart.append(new_k, new_v)
+            together.append(new_k, new_v)
+            continue
+        expected = apart.attend(q, new_k, new_v)
+        apart.append(new_k, new_v)
+        outs.append((expected, together.attend_append_fp16(q, new_k, new_v)))
+    return apart, together, outs
+
+
+def test_a_decode_step_in_one_call_equals_attend_then_append(random_kv):
+    # 200 steps from 300 tokens cross flushes; the default (torch) ops compose the two calls
+    apart, together, outs = _steps_both_ways(random_kv, 300, 200)
+    assert all(torch.equal(want, got) for want, got in outs)
+    assert (together.seq_len, together.saliency_computations) == (apart.seq_len, apart.saliency_computations) == (500, 1)
+    assert dump_state(apart.layout, apart.state, 500) == dump_state(together.layout, together.state, 500)
+
+
+def test_a_decode_step_past_capacity_is_refused_and_changes_nothing(random_kv):
+    k, v = random_kv(1, 2, 17, 32)
+    cache = PackedKVCache(PnMixConfig(), 2, 32, 16)
+    cache.append(k[:, :, :16], v[:, :, :16])
+    before = {name: t.clone() for name, t in cache.state.items()}
+    q = torch.randn(1, 2, 1, 32).half()
+    for step in (lambda: cache.attend_append_fp16(q, k[:, :, 16:], v[:, :, 16:]),
+                 lambda: cache.append_fp16(k[:, :, 16:], v[:, :, 16:])):
+        with pytest.raises(PnMixError, match="capacity exceeded"):
+            step()
+    assert cache.seq_len == 16
+    assert all(torch.equal(before[n], cache.state[n]) for n in before)
+
+
+def test_kv_that_carry_autograd_are_stored_alike_without_a_warning(random_kv, recwarn):
+    k, v = random_kv(1, 2, 200, 32, dtype=torch.float32)
+    plain, tracked = (PackedKVCache(PnMixConfig(), 2, 32, 200) for _ in range(2))
+    plain.append(k, v)
+    tracked.append(k.clone().requires_grad_(), v.clone().requires_grad_())
+    assert not recwarn.list
+    assert dump_state(plain.layout, plain.state, 200) == dump_state(tracked.layout, tracked.state, 200)
+
+
 def test_wrong_shapes_are_rejected(random_kv):
     cache = PackedKVCache(PnMixConfig(), 2, 32, 16)
     k, v = random_kv(1, 3, 4, 32)
