@@ -170,6 +170,9 @@ class CacheOps(ABC):
     """The two pn-mix mechanisms over a state dict, as one backend implements them."""
 
     name: str = "?"
+    # Whether attend_append itself rounds new K/V to fp16 and refuses non-finite ones (PnMixError,
+    # nothing changed): its caller may then hand them over as the model gave them, unchecked.
+    checks_new_kv: bool = False
 
     def init_args(self) -> tuple:
         """The arguments that make these ops again (the constructor's)."""
@@ -192,7 +195,8 @@ class CacheOps(ABC):
     def attend_append(self, q, layout: CacheLayout, state: State, seq_len: int, k: torch.Tensor,
                       v: torch.Tensor) -> torch.Tensor:
         """A decode step: attend(q, ..., k, v), then append(..., k, v); the attention's output.
-        A backend whose two calls share checks and buffers does both at once (the core)."""
+        k/v: fp16 K/V that fp16_kv passed, or any float K/V where checks_new_kv. A backend whose
+        two calls share checks and buffers does both at once (the core: in one C call)."""
         out = self.attend(q, layout, state, seq_len, k, v)
         self.append(layout, state, seq_len, k, v)
         return out
@@ -243,7 +247,7 @@ class PackedKVCache:
             self.append_fp16(*fp16_kv(k, v, self.device, self.seq_len))  # checked before the state changes
 
     # The transformers layer checks a step's K/V once, at its update (before the attention runs):
-    # these two take K/V that check_new_kv and fp16_kv have passed, and skip that second pass.
+    # these two take K/V it checked, and skip a second pass.
     def append_fp16(self, k16: torch.Tensor, v16: torch.Tensor) -> None:
         """append for checked fp16 K/V (what fp16_kv returned for tensors check_new_kv passed)."""
         n = k16.shape[2]
@@ -252,13 +256,14 @@ class PackedKVCache:
             self.ops.append(self.layout, self.state, self.seq_len, k16, v16)
             self._appended(n)
 
-    def attend_append_fp16(self, q: torch.Tensor, k16: torch.Tensor, v16: torch.Tensor) -> torch.Tensor:
-        """A decode step over checked fp16 K/V: attend(q, k16, v16), then append_fp16(k16, v16)."""
-        n = k16.shape[2]
+    def attend_append_checked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """A decode step: attend(q, k, v), then the append of k/v, in one backend call. k/v: shapes
+        check_new_kv passed, values fp16_kv's, unless the ops check them (ops.checks_new_kv)."""
+        n = k.shape[2]
         if n == 0:
-            return self.ops.attend(q, self.layout, self.state, self.seq_len, k16, v16)
+            return self.ops.attend(q, self.layout, self.state, self.seq_len, k, v)
         check_room(self.seq_len, n, self.layout.max_seq_len)
-        out = self.ops.attend_append(q, self.layout, self.state, self.seq_len, k16, v16)
+        out = self.ops.attend_append(q, self.layout, self.state, self.seq_len, k, v)
         self._appended(n)
         return out
 

@@ -267,16 +267,9 @@ void compute_pair_mask(const pnmix_layout& L, const pnmix_state* st, const uint1
 }
 
 }  // namespace
-}  // namespace core
-}  // namespace pnmix
 
-using namespace pnmix;
-using namespace pnmix::core;
-
-extern "C" {
-
-static int append_impl(const pnmix_layout* layout, pnmix_state* state, int64_t seq_len, const uint16_t* k,
-                       const uint16_t* v, int64_t n, int64_t kv_bytes) {
+int append_impl(const pnmix_layout* layout, pnmix_state* state, int64_t seq_len, const uint16_t* k, const uint16_t* v,
+                int64_t n, int64_t kv_bytes, bool check_only) {
   if (int rc = check_layout(layout)) return rc;
   const pnmix_layout& L = *layout;
   if (int rc = check_state(L, state)) return rc;
@@ -295,6 +288,7 @@ static int append_impl(const pnmix_layout* layout, pnmix_state* state, int64_t s
   if (seq_len > 0)
     if (int rc = check_pair_mask(L, buffer<const uint8_t>(state, PNMIX_PAIR_MASK), PNMIX_ERR_STATE, "state's"))
       return rc;
+  if (check_only) return ok();
 
   if (seq_len == 0) compute_pair_mask(L, state, k, n);
   AppendJob job;
@@ -312,6 +306,14 @@ static int append_impl(const pnmix_layout* layout, pnmix_state* state, int64_t s
   for (int64_t bh = 0; bh < heads; ++bh) move_sink_and_residual(job, bh);
   return ok();
 }
+
+}  // namespace core
+}  // namespace pnmix
+
+using namespace pnmix;
+using namespace pnmix::core;
+
+extern "C" {
 
 // The two entry points that allocate (scratch, threads): no exception crosses the C ABI.
 int pnmix_append(const pnmix_layout* layout, pnmix_state* state, int64_t seq_len, const uint16_t* k,

@@ -559,6 +559,26 @@ int run_batch(const pnmix_layout& L, SeqRun* runs, int64_t count, int nthreads, 
   return ok();
 }
 
+// New K/V as the append takes them, fp16 bits: fp32 ones rounded into `scratch` (pnmix_float_to_half's
+// rounding), fp16 ones as given. PNMIX_ERR_VALUE when one is not finite in fp16: an infinity would
+// saturate a group's step and quantize silently, and a NaN's codes depend on the conversion.
+int fp16_new_kv(const void* src, bool is_fp32, int64_t count, std::vector<uint16_t>& scratch, const char* what,
+                const uint16_t** out) {
+  const uint16_t* h = static_cast<const uint16_t*>(src);
+  if (is_fp32) {
+    uint16_t* rounded = ensure(scratch, count);
+    const float* f = static_cast<const float*>(src);
+    for (int64_t i = 0; i < count; ++i) rounded[i] = float_to_half(f[i]);
+    h = rounded;
+  }
+  bool infinite_or_nan = false;  // exponent all ones
+  for (int64_t i = 0; i < count; ++i) infinite_or_nan |= (h[i] & 0x7c00u) == 0x7c00u;
+  if (infinite_or_nan)
+    return fail(PNMIX_ERR_VALUE, "new %s hold a value that is not finite in fp16 (NaN, Inf, or beyond +-65504)", what);
+  *out = h;
+  return PNMIX_OK;
+}
+
 int check_arith() {
   if (requested_arith() == Arith::kInvalid)
     return fail(PNMIX_ERR_CONFIG, "PNMIX_ATTEND_ARITH is '%s'; set it to fp32 or int8 (or unset it)",
@@ -603,6 +623,38 @@ int pnmix_attend_on(const pnmix_layout* layout, const pnmix_state* state, int64_
                        new_bytes, out, out_bytes, threads, runner, runner_ctx);
   } catch (const std::exception& e) {
     return fail(PNMIX_ERR_INTERNAL, "attention failed: %s", e.what());
+  }
+}
+
+int pnmix_attend_append(const pnmix_layout* layout, pnmix_state* state, int64_t seq_len, const void* q, int q_is_fp32,
+                        int64_t q_heads, int64_t nq, int64_t q_bytes, const void* k_new, const void* v_new,
+                        int new_is_fp32, int64_t n_new, int64_t new_bytes, float* out, int64_t out_bytes, int threads) {
+  try {
+    if (int rc = check_layout(layout)) return rc;
+    const pnmix_layout& L = *layout;
+    if (n_new < 1 || n_new > ((int64_t)1 << 40))
+      return fail(PNMIX_ERR_SIZE, "n_new must be in 1..2^40, got %lld", (long long)n_new);
+    const int element = new_is_fp32 ? 4 : 2;
+    const int64_t want = product({L.batch, L.kv_heads, n_new, L.head_dim, element});
+    if (want < 0 || new_bytes != want)
+      return fail(PNMIX_ERR_SIZE, "new K/V buffers have %lld bytes, [B, H, n_new, D] %s needs %lld",
+                  (long long)new_bytes, new_is_fp32 ? "fp32" : "fp16", (long long)want);
+    if (!k_new || !v_new) return fail(PNMIX_ERR_NULL, "k_new or v_new pointer is null");
+    if (((uintptr_t)k_new | (uintptr_t)v_new) & (element - 1))
+      return fail(PNMIX_ERR_SIZE, "new K/V buffers are not aligned to their element size");
+    // the rounded K/V: kept per thread, so a decode step allocates nothing once warm
+    thread_local std::vector<uint16_t> k_rounded, v_rounded;
+    const int64_t count = want / element, fp16_bytes = count * 2;
+    const uint16_t *k16 = nullptr, *v16 = nullptr;
+    if (int rc = fp16_new_kv(k_new, new_is_fp32, count, k_rounded, "keys", &k16)) return rc;
+    if (int rc = fp16_new_kv(v_new, new_is_fp32, count, v_rounded, "values", &v16)) return rc;
+    if (int rc = append_impl(layout, state, seq_len, k16, v16, n_new, fp16_bytes, /*check_only=*/true)) return rc;
+    if (int rc = attend_impl(layout, state, nullptr, seq_len, q, q_is_fp32, q_heads, nq, q_bytes, k16, v16, n_new,
+                             fp16_bytes, out, out_bytes, threads, nullptr, nullptr))
+      return rc;
+    return append_impl(layout, state, seq_len, k16, v16, n_new, fp16_bytes);
+  } catch (const std::exception& e) {
+    return fail(PNMIX_ERR_INTERNAL, "attention and append failed: %s", e.what());
   }
 }
 

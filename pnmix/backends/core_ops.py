@@ -13,7 +13,7 @@ from typing import Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 
-from ..cache import CacheOps, check_new_kv, check_queries
+from ..cache import CacheOps, check_new_kv, check_queries, fp16_kv
 from ..errors import PnMixError
 from ..format import STATE_DTYPES, STATE_NAMES, CacheLayout
 from . import native
@@ -21,7 +21,7 @@ from .native import (INT as _INT, I64 as _I64, PTR as _PTR, CConfig, CLayout, CP
                      nbytes as _nbytes, ptr as _ptr)
 
 LIBRARY = "pnmix_core"
-ABI_VERSION = 7
+ABI_VERSION = 8
 
 _SIGNATURES: native.Signatures = {
     "pnmix_core_abi_version": ([], _INT),
@@ -31,6 +31,8 @@ _SIGNATURES: native.Signatures = {
     "pnmix_persistent_bytes": ([_PTR, _I64, _PTR], _INT),
     "pnmix_append": ([_PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64], _INT),
     "pnmix_attend": ([_PTR, _PTR, _I64, _PTR, _INT, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _INT], _INT),
+    "pnmix_attend_append": ([_PTR, _PTR, _I64, _PTR, _INT, _I64, _I64, _I64, _PTR, _PTR, _INT, _I64, _I64, _PTR, _I64, _INT],
+                            _INT),
     "pnmix_attend_paged": ([_PTR, _PTR, _I64, _PTR, _INT, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _INT],
                            _INT),
     "pnmix_attend_paged_batch": ([_PTR, _PTR, _I64, _INT, _I64, _INT], _INT),
@@ -50,6 +52,8 @@ _SIGNATURES: native.Signatures = {
 }
 __all__ = ["CConfig", "CLayout", "CPagedSequence", "CPagedState", "CState", "CoreOps", "c_layout", "c_state", "check", "core_library",
            "dump_state", "group_sections", "load_state"]
+
+STATUS_VALUE = 8  # PNMIX_ERR_VALUE (pnmix_core.h): new K/V not finite in fp16
 
 # The tensors of a paged sequence's slot (pnmix_paged_state): everything but the group tensors.
 SLOT_TENSORS = ("sink_k", "sink_v", "residual_k", "residual_v", "pair_mask")
@@ -81,6 +85,20 @@ def _fp16(t: torch.Tensor, what: str) -> torch.Tensor:
     if t.dtype == torch.float16 and t.is_contiguous():
         return t  # what the caches hand over: no tensor op (a decode step makes these per layer)
     return t.to(torch.float16).contiguous()
+
+
+def _step_kv(t: torch.Tensor, what: str) -> torch.Tensor:
+    """New K/V as pnmix_attend_append takes them: contiguous fp16 or fp32 CPU tensors."""
+    if t.device.type != "cpu":
+        raise PnMixError(f"the core backend needs CPU tensors; {what} is on {t.device}")
+    if t.dtype in (torch.float16, torch.float32):
+        return t.contiguous()
+    return t.float().contiguous()  # bf16 and fp64: rounded to fp16 from fp32 (bf16 exactly)
+
+
+def _output(q: torch.Tensor) -> torch.Tensor:
+    """The attention's output for queries q [B, Hq, nq, D]: fp32, same shape."""
+    return torch.empty(q.shape, dtype=torch.float32)
 
 
 def _cpu_query(q: torch.Tensor) -> torch.Tensor:
@@ -127,6 +145,7 @@ class CoreOps(CacheOps):
     """append / attend through libpnmix_core. threads: None or <= 0 uses every core."""
 
     name = "core"
+    checks_new_kv = True  # attend_append rounds and checks the new K/V in its one C call
 
     def __init__(self, threads: Optional[int] = None):
         self.lib = core_library()
@@ -137,7 +156,10 @@ class CoreOps(CacheOps):
 
     def append(self, layout, state, seq_len, k, v):
         check_new_kv(layout, k, v)
-        self._append(c_layout(layout), c_state(state), seq_len, _fp16(k, "keys"), _fp16(v, "values"))
+        k, v = _fp16(k, "keys"), _fp16(v, "values")
+        lay, st = c_layout(layout), c_state(state)
+        check(self.lib, self.lib.pnmix_append(ctypes.byref(lay), ctypes.byref(st), seq_len, _ptr(k), _ptr(v),
+                                              k.shape[2], _nbytes(k)))
 
     def attend(self, q, layout, state, seq_len, k_new=None, v_new=None):
         check_queries(layout, seq_len, q, k_new, v_new)
@@ -146,33 +168,32 @@ class CoreOps(CacheOps):
             k_new, v_new = _fp16(k_new, "k_new"), _fp16(v_new, "v_new")
         else:
             k_new = v_new = None
-        return self._attend(c_layout(layout), c_state(state), seq_len, q, k_new, v_new)
-
-    def attend_append(self, q, layout, state, seq_len, k, v):
-        # one set of checks and C structs for both calls (a decode step makes them for every layer)
-        check_queries(layout, seq_len, q, k, v)
-        q, k, v = _cpu_query(q), _fp16(k, "k_new"), _fp16(v, "v_new")
+        out = _output(q)
         lay, st = c_layout(layout), c_state(state)
-        out = self._attend(lay, st, seq_len, q, k, v)
-        self._append(lay, st, seq_len, k, v)
+        check(self.lib, self.lib.pnmix_attend(
+            ctypes.byref(lay), ctypes.byref(st), seq_len, _ptr(q), int(q.dtype == torch.float32), q.shape[1],
+            q.shape[2], _nbytes(q), _ptr(k_new), _ptr(v_new), 0 if k_new is None else k_new.shape[2],
+            _nbytes(k_new), _ptr(out), _nbytes(out), self.threads))
         return out
 
-    def _append(self, lay: CLayout, st: CState, seq_len: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """pnmix_append of fp16 CPU K/V (checked by the caller)."""
-        check(self.lib, self.lib.pnmix_append(ctypes.byref(lay), ctypes.byref(st), seq_len, _ptr(k), _ptr(v),
-                                              k.shape[2], _nbytes(k)))
-
-    def _attend(self, lay: CLayout, st: CState, seq_len: int, q: torch.Tensor, k_new: Optional[torch.Tensor],
-                v_new: Optional[torch.Tensor]) -> torch.Tensor:
-        """pnmix_attend of _cpu_query's queries (checked against the layout by the caller) and fp16
-        CPU K/V or None."""
-        is_fp32 = q.dtype == torch.float32
-        batch, q_heads, nq, head_dim = q.shape
-        n_new = 0 if k_new is None else k_new.shape[2]
-        out = torch.empty(batch, q_heads, nq, head_dim, dtype=torch.float32)
-        check(self.lib, self.lib.pnmix_attend(
-            ctypes.byref(lay), ctypes.byref(st), seq_len, _ptr(q), int(is_fp32), q_heads, nq, _nbytes(q),
-            _ptr(k_new), _ptr(v_new), n_new, _nbytes(k_new), _ptr(out), _nbytes(out), self.threads))
+    def attend_append(self, q, layout, state, seq_len, k, v):
+        # One C call (pnmix_attend_append): it rounds fp32 K/V to fp16 and refuses non-finite ones
+        # before it writes anything, so a decode step of a model's layer makes no tensor op on them.
+        check_queries(layout, seq_len, q, k, v)
+        if k.shape[2] == 0:
+            return self.attend(q, layout, state, seq_len, k, v)
+        q, k, v = _cpu_query(q), _step_kv(k, "k_new"), _step_kv(v, "v_new")
+        if k.dtype != v.dtype:
+            k, v = k.float(), v.float()
+        out = _output(q)
+        lay, st = c_layout(layout), c_state(state)
+        status = self.lib.pnmix_attend_append(
+            ctypes.byref(lay), ctypes.byref(st), seq_len, _ptr(q), int(q.dtype == torch.float32), q.shape[1],
+            q.shape[2], _nbytes(q), _ptr(k), _ptr(v), int(k.dtype == torch.float32), k.shape[2], _nbytes(k),
+            _ptr(out), _nbytes(out), self.threads)
+        if status == STATUS_VALUE:
+            fp16_kv(k, v, k.device, seq_len)  # raises, naming the tensor and its tokens
+        check(self.lib, status)
         return out
 
     def attend_paged(self, q: torch.Tensor, layout: CacheLayout, pages: torch.Tensor, block_table: torch.Tensor,
@@ -202,7 +223,7 @@ class CoreOps(CacheOps):
         else:
             k_new = v_new = None
         n_new = 0 if k_new is None else k_new.shape[2]
-        out = torch.empty(1, q_heads, nq, layout.head_dim, dtype=torch.float32)
+        out = _output(q)
         lay = c_layout(layout)
         check(self.lib, self.lib.pnmix_attend_paged(
             ctypes.byref(lay), ctypes.byref(c), seq_len, _ptr(q), int(is_fp32), q_heads, nq, _nbytes(q),

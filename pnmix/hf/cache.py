@@ -73,6 +73,9 @@ class PnMixLayer(CacheLayerMixin):
         self.flushed: List[Tuple[torch.Tensor, torch.Tensor]] = []  # their K/V [B, H, group, D], oldest first
         self.prefill_tokens = 0  # the first append's tokens: the pair mask was chosen from them
         self.prefill_kv: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # their fp16 K/V, while recording
+        # Check a decode step's K/V values at its update even where the backend's attend_append checks
+        # them (ops.checks_new_kv): a row of a padded batch, whose rows are all checked before any appends.
+        self.check_at_update = False
 
     # ---- transformers' layer interface ----------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -101,7 +104,10 @@ class PnMixLayer(CacheLayerMixin):
             check_kv_tensors(key_states, value_states)
         seq_before = self.packed.seq_len if self.packed is not None else 0
         self._check_size(key_states, seq_before)  # before the fp16 copies: an expand()ed tensor costs nothing yet
-        k16, v16 = fp16_kv(key_states, value_states, key_states.device, seq_before)
+        if self._backend_checks_step(seq_before):
+            k16, v16 = key_states, value_states  # rounded and checked by the step's one backend call
+        else:
+            k16, v16 = fp16_kv(key_states, value_states, key_states.device, seq_before)
         self._check_positions(kwargs.get("kwargs"), seq_before)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -137,10 +143,20 @@ class PnMixLayer(CacheLayerMixin):
         if step is None:
             raise PnMixError(f"layer {self.layer_idx} has no step waiting for the pnmix attention")
         flushed = self._flushed_by(step.k_new, step.v_new)
-        out = packed.attend_append_fp16(query, step.k_new, step.v_new)  # update checked the K/V
+        try:
+            out = packed.attend_append_checked(query, step.k_new, step.v_new)
+        except BaseException:
+            self.pending = None  # refused before anything changed: the layer is as before that update
+            raise
         self._keep_flushed(flushed)
         self.pending = None
         return out
+
+    def _backend_checks_step(self, seq_before: int) -> bool:
+        """Whether a decode step's K/V go to the backend as the model gave them: on the packed path,
+        the backend's attend_append rounds and checks them itself (the core, in one C call)."""
+        return (seq_before > 0 and self.packed_attention and not self.check_at_update
+                and self.ops is not None and self.ops.checks_new_kv)
 
     def expected_mask(self, kv: int, nq: int, device) -> torch.Tensor:
         """The mask the pnmix attention accepts: the causal future hidden, [nq, kv]."""
@@ -164,6 +180,7 @@ class PnMixLayer(CacheLayerMixin):
         k16/v16 will flush (read from the residual before the append); else none."""
         if not self.record_past:
             return []
+        k16, v16 = k16.to(torch.float16), v16.to(torch.float16)  # the model's K/V where the backend checks them
         packed = self.packed_cache()
         before, after, stream_k, stream_v = residual_stream(packed.layout, packed.state, packed.seq_len, k16, v16)
         size = self.config.group_size

@@ -58,6 +58,8 @@ class RowsLayer(CacheLayerMixin):
     def __init__(self, make_row, pads: List[int], layer_idx: int):
         super().__init__()
         self.rows: List[Any] = [make_row() for _ in pads]  # PnMixLayers (pnmix/hf/cache.py)
+        for row in self.rows:
+            row.check_at_update = True  # every row's K/V are checked before any row appends
         self.pads = list(pads)
         self.layer_idx = layer_idx
         self.is_initialized = False

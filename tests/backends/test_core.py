@@ -174,6 +174,41 @@ def test_a_decode_step_in_one_call_is_bit_identical_to_attend_then_append(ops, a
         ops.set_arith("auto")
 
 
+def test_a_decode_step_of_fp32_kv_rounds_them_as_the_cache_does(ops):
+    """attend_append of the model's fp32 K/V (rounded in the C call) equals it on the same K/V
+    rounded to fp16 by torch, bit for bit: output and state."""
+    layout = CacheLayout(CONFIGS["manifest"], 1, 2, 32, 400)
+    k, v = make_random_kv(1, 2, 400, 32, seed=8, dtype=torch.float32)
+    k[0, 0, 390, :4] = torch.tensor([65519.0, -65520.0 + 16, 2.0 ** -25, 3e-8])  # edges of fp16's rounding
+    q = torch.randn(1, 4, 1, 32, generator=torch.Generator().manual_seed(2))
+    as_fp32, _ = run_schedule(ops.append, layout, [384], k, v)
+    as_fp16 = {name: t.clone() for name, t in as_fp32.items()}
+    for t in range(384, 400):
+        new_k, new_v = k[:, :, t:t + 1], v[:, :, t:t + 1]
+        got = ops.attend_append(q, layout, as_fp32, t, new_k, new_v)
+        want = ops.attend_append(q, layout, as_fp16, t, new_k.half(), new_v.half())
+        assert torch.equal(got, want), t
+    assert dump.dump_state(layout, as_fp32, 400) == dump.dump_state(layout, as_fp16, 400)
+
+
+NON_FINITE = [("keys", float("nan")), ("values", float("inf")), ("keys", -float("inf"))]
+
+
+@pytest.mark.parametrize("dtype, which, value", [(torch.float16, *case) for case in NON_FINITE] +
+                         [(torch.float32, *case) for case in NON_FINITE + [("values", 70000.0)]])
+def test_a_decode_step_with_non_finite_kv_is_refused_and_writes_nothing(ops, dtype, which, value):
+    layout = CacheLayout(CONFIGS["manifest"], 1, 2, 32, 400)
+    k, v = make_random_kv(1, 2, 390, 32, seed=8, dtype=torch.float32)
+    state, seq_len = run_schedule(ops.append, layout, [384, 1], k, v)
+    before = {name: t.clone() for name, t in state.items()}
+    new_k, new_v = (t[:, :, seq_len:seq_len + 2].clone() for t in (k, v))
+    (new_k if which == "keys" else new_v)[0, 1, 1, 5] = value
+    q = torch.randn(1, 4, 2, 32)
+    with pytest.raises(PnMixError, match=f"new {which} hold non-finite values .* at tokens 385..386"):
+        ops.attend_append(q, layout, state, seq_len, new_k.to(dtype), new_v.to(dtype))
+    assert all(torch.equal(before[name], state[name]) for name in STATE_NAMES)
+
+
 def test_attention_prefill_and_causality(ops):
     """Empty cache: causal attention over the new tokens alone; each query sees only its past."""
     layout = CacheLayout(CONFIGS["manifest"], 1, 2, 32, 64)
@@ -389,6 +424,37 @@ def test_wrong_sizes_rejected(abi):
     assert code == 7 and "pair_mask" in msg
     state["pair_mask"].copy_(packing.pack_pair_mask(reference.saliency_mask(k, layout)))
     assert attend(seq_len=4) == 0
+
+
+def test_attend_append_checks_everything_before_it_writes(abi):
+    lib, layout, lay, state, _ = abi
+    k, v = make_random_kv(1, 2, 401, 32, seed=0, dtype=torch.float32)  # one past the capacity of 400
+    state.update(run_schedule(append_reference, layout, [398], k[:, :, :398].half(), v[:, :, :398].half())[0])
+    st = core_ops.c_state(state)
+    before = {name: t.clone() for name, t in state.items()}
+    q = torch.randn(1, 4, 1, 32)
+    out = torch.empty(1, 4, 1, 32)
+
+    def step(seq_len=398, n_new=1, new_bytes=None, is_fp32=1, new_k=None):
+        new_k = k[:, :, seq_len:seq_len + n_new].contiguous() if new_k is None else new_k
+        new_v = v[:, :, seq_len:seq_len + n_new].contiguous()
+        size = new_k.numel() * (4 if is_fp32 else 2) if new_bytes is None else new_bytes
+        return lib.pnmix_attend_append(ctypes.byref(lay), ctypes.byref(st), seq_len, q.data_ptr(), 1, 4, 1,
+                                       q.numel() * 4, new_k.data_ptr(), new_v.data_ptr(), is_fp32, n_new, size,
+                                       out.data_ptr(), out.numel() * 4, 1)
+
+    assert "n_new must be in 1.." in _error(lib, step(n_new=0, new_bytes=0))[1]
+    code, msg = _error(lib, step(new_bytes=2 * 32 * 2))  # fp16's size for fp32 K/V
+    assert code == 3 and "fp32 needs 256" in msg
+    code, msg = _error(lib, step(seq_len=398, n_new=3))  # 398 + 3 > 400
+    assert code == 4 and "capacity" in msg
+    bad = k[:, :, 398:399].clone()
+    bad[0, 1, 0, 7] = 1e5  # beyond fp16's range
+    code, msg = _error(lib, step(new_k=bad))
+    assert code == 8 and "new keys" in msg and "not finite in fp16" in msg
+    assert all(torch.equal(before[name], state[name]) for name in STATE_NAMES)
+    assert step() == 0 and step(seq_len=399) == 0  # the same arguments, finite and in range, go in
+    assert not torch.equal(before["residual_k"], state["residual_k"])
 
 
 TASK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)

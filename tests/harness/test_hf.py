@@ -145,6 +145,28 @@ def test_update_returns_prompt_then_cache_followed_by_fp_token():
         assert torch.equal(packed.state[name], reference.state[name][tuple(slice(0, s) for s in packed.state[name].shape)]), name
 
 
+@pytest.mark.parametrize("backend", ["core", "torch"])
+def test_a_packed_step_with_non_finite_kv_is_refused_and_the_layer_goes_on(backend):
+    """On the packed path the core checks a step's K/V in its one call (the torch backend at the
+    update): either way the step is refused, the layer is as it was, and the next step goes in."""
+    cache = PnMixCache(backend=backend)
+    cache.update(*kv(160, seed=0), 0)
+    layer = cache.layers[0]
+    layer.packed_attention = True  # what the pnmix attention sets after the prefill
+    before = {name: t.clone() for name, t in layer.packed.state.items()}
+    q = torch.randn(1, 2 * KV_HEADS, 1, HEAD_DIM).half()
+    bad_k, v1 = kv(1, seed=5)
+    bad_k[0, 0, 0, 3] = float("nan")
+    with pytest.raises(PnMixError, match="new keys hold non-finite values .* at tokens 160..160"):
+        cache.update(bad_k, v1, 0)
+        layer.attend_pending(q)
+    assert layer.pending is None and cache.get_seq_length() == 160
+    assert all(torch.equal(before[name], layer.packed.state[name]) for name in STATE_NAMES)
+    cache.update(*kv(1, seed=6), 0)
+    layer.attend_pending(q)
+    assert cache.get_seq_length() == 161
+
+
 def test_capacity_grows_or_is_fixed_by_max_cache_len():
     grown, fixed = PnMixCache(), PnMixCache(max_cache_len=1200)
     for cache in (grown, fixed):

@@ -19,9 +19,10 @@
 extern "C" {
 #endif
 
-#define PNMIX_CORE_ABI_VERSION 7 /* 3: pnmix_core_struct_offset; 4: pnmix_attend_on; 5: pnmix_set_attend_arith; \
+#define PNMIX_CORE_ABI_VERSION 8 /* 3: pnmix_core_struct_offset; 4: pnmix_attend_on; 5: pnmix_set_attend_arith; \
                                     6: pnmix_paged_state, pnmix_attend_paged, pnmix_group_sections; \
-                                    7: pnmix_paged_sequence, pnmix_attend_paged_batch */
+                                    7: pnmix_paged_sequence, pnmix_attend_paged_batch; \
+                                    8: pnmix_attend_append, PNMIX_ERR_VALUE */
 
 #if defined(_WIN32)
 #define PNMIX_API
@@ -37,7 +38,8 @@ enum pnmix_status {
   PNMIX_ERR_CAPACITY = 4, /* seq_len + n would exceed max_seq_len */
   PNMIX_ERR_DUMP = 5,     /* a .pnkv blob is malformed */
   PNMIX_ERR_INTERNAL = 6,
-  PNMIX_ERR_STATE = 7     /* a state's bytes break the format (a pair mask without n_high high pairs per head) */
+  PNMIX_ERR_STATE = 7,    /* a state's bytes break the format (a pair mask without n_high high pairs per head) */
+  PNMIX_ERR_VALUE = 8     /* new K/V hold a value that is not finite in fp16 (pnmix_attend_append) */
 };
 
 /* The eleven state buffers and their sizes in bytes (each must equal pnmix_state_bytes). */
@@ -71,6 +73,18 @@ PNMIX_API int pnmix_persistent_bytes(const pnmix_layout* layout, int64_t seq_len
  * must follow FORMAT.md 3.2 (append and attend check it: PNMIX_ERR_STATE). */
 PNMIX_API int pnmix_append(const pnmix_layout* layout, pnmix_state* state, int64_t seq_len, const uint16_t* k,
                  const uint16_t* v, int64_t n, int64_t kv_bytes);
+
+/* A decode step in one call: pnmix_attend of q over the cache and the n_new >= 1 new tokens, then
+ * pnmix_append of them (state ends holding seq_len + n_new tokens). k_new/v_new [B, H, n_new, D]
+ * are fp16 bits, or fp32 when new_is_fp32 (rounded to fp16 as pnmix_float_to_half(..., 0) does);
+ * new_bytes is the bytes of each. A new key or value that is not finite in fp16 (NaN, Inf, or an
+ * fp32 beyond +-65504) fails the call with PNMIX_ERR_VALUE, and every argument the append checks
+ * (capacity included) is checked, before anything is written; a failing call leaves the state as
+ * it was. Output and work split as pnmix_attend's. */
+PNMIX_API int pnmix_attend_append(const pnmix_layout* layout, pnmix_state* state, int64_t seq_len, const void* q,
+                                  int q_is_fp32, int64_t q_heads, int64_t nq, int64_t q_bytes, const void* k_new,
+                                  const void* v_new, int new_is_fp32, int64_t n_new, int64_t new_bytes, float* out,
+                                  int64_t out_bytes, int threads);
 
 /* Attention of q [B, Hq, nq, D] (fp16 bits if q_is_fp32 == 0, else fp32) over the cache of seq_len
  * tokens followed by n_new fp16 tokens k_new/v_new [B, H, n_new, D] (may be null when n_new == 0).
