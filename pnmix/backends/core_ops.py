@@ -93,7 +93,7 @@ def _step_kv(t: torch.Tensor, what: str) -> torch.Tensor:
         raise PnMixError(f"the core backend needs CPU tensors; {what} is on {t.device}")
     if t.dtype in (torch.float16, torch.float32):
         return t.contiguous()
-    return t.float().contiguous()  # bf16 and fp64: rounded to fp16 from fp32 (bf16 exactly)
+    return t.to(torch.float16).contiguous()  # bf16 and fp64: one rounding, as fp16_kv's
 
 
 def _output(q: torch.Tensor) -> torch.Tensor:

@@ -105,20 +105,20 @@ class PnMixLayer(CacheLayerMixin):
         seq_before = self.packed.seq_len if self.packed is not None else 0
         self._check_size(key_states, seq_before)  # before the fp16 copies: an expand()ed tensor costs nothing yet
         if self._backend_checks_step(seq_before):
-            k16, v16 = key_states, value_states  # rounded and checked by the step's one backend call
+            k_new, v_new = key_states, value_states  # rounded and checked by the step's one backend call
         else:
-            k16, v16 = fp16_kv(key_states, value_states, key_states.device, seq_before)
+            k_new, v_new = fp16_kv(key_states, value_states, key_states.device, seq_before)
         self._check_positions(kwargs.get("kwargs"), seq_before)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n = key_states.shape[2]
         self._reserve(n)
         packed = self.packed_cache()
-        k16, v16 = k16.contiguous(), v16.contiguous()
+        k_new, v_new = k_new.contiguous(), v_new.contiguous()
         if seq_before == 0:
             # Prefill: full-precision attention over the prompt; the append sets the pair mask.
             keys, values = key_states, value_states
-            self._append(k16, v16)
+            self._append(k_new, v_new)
             pending = False
         elif self.packed_attention:
             keys, values = key_states, value_states
@@ -127,11 +127,11 @@ class PnMixLayer(CacheLayerMixin):
             k_cache, v_cache = packed.dequantized()
             keys = torch.cat([k_cache.to(key_states.dtype), key_states], dim=2)
             values = torch.cat([v_cache.to(value_states.dtype), value_states], dim=2)
-            self._append(k16, v16)  # after the copy: this step sees its own tokens in fp16
+            self._append(k_new, v_new)  # after the copy: this step sees its own tokens in fp16
             copy = sum(t.numel() * t.element_size() for t in (keys, values))
             self.peak_copy_bytes = max(self.peak_copy_bytes, copy)
             pending = False
-        step = Step(self, weakref.ref(keys), seq_before, k16, v16, pending)
+        step = Step(self, weakref.ref(keys), seq_before, k_new, v_new, pending)
         self.pending = step if pending else None
         _last_step.step = step
         return keys, values
@@ -175,12 +175,12 @@ class PnMixLayer(CacheLayerMixin):
         packed.append_fp16(k16, v16)
         self._keep_flushed(flushed)
 
-    def _flushed_by(self, k16: torch.Tensor, v16: torch.Tensor) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-        """While recording the past, the fp16 K/V [B, H, group, D] of each group an append of
-        k16/v16 will flush (read from the residual before the append); else none."""
+    def _flushed_by(self, k: torch.Tensor, v: torch.Tensor) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """While recording the past, the fp16 K/V [B, H, group, D] of each group an append of k/v
+        (the step's, fp16 or as the model gave them) will flush, read before the append; else none."""
         if not self.record_past:
             return []
-        k16, v16 = k16.to(torch.float16), v16.to(torch.float16)  # the model's K/V where the backend checks them
+        k16, v16 = k.to(torch.float16), v.to(torch.float16)
         packed = self.packed_cache()
         before, after, stream_k, stream_v = residual_stream(packed.layout, packed.state, packed.seq_len, k16, v16)
         size = self.config.group_size

@@ -65,7 +65,7 @@ class Step:
     layer: Any  # the PnMixLayer or RowsLayer whose update made it
     key: "weakref.ref[torch.Tensor]"  # what update returned (weak: a dequantized copy must not outlive its layer)
     seq_before: int  # tokens in the packed cache the attention reads
-    k_new: torch.Tensor  # fp16 K/V of this step's tokens
+    k_new: torch.Tensor  # K/V of this step's tokens: fp16, or as the model gave them where the backend checks them
     v_new: torch.Tensor
     pending: bool  # the append waits for the attention function
 
