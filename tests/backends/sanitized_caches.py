@@ -1,7 +1,8 @@
 """Run by tests/backends/test_core_sanitized.py in a child process whose libpnmix_core is built with
 AddressSanitizer: caches whose every group slot is full (so the last group's key codes end their
 buffer, where the kernels' wide loads must not reach past), in several layouts, attended with one and
-several queries on every kernel this CPU has, in fp32 and int8. A read outside a buffer aborts the
+several queries on every kernel this CPU has, in fp32 and int8 (the last token goes in through
+pnmix_attend_append, as a model's decode step does). A read outside a buffer aborts the
 process with the sanitizer's report; otherwise it prints one line per case and "done"."""
 
 import torch
@@ -27,8 +28,11 @@ def main() -> None:
         for arith in ("fp32", "int8"):
             ops.set_arith(arith)
             cache = PackedKVCache(config, kv_heads, head_dim, tokens, ops=ops)
-            kv = torch.randn(2, 1, kv_heads, tokens, head_dim, generator=generator).half()
-            cache.append(kv[0], kv[1])
+            kv = torch.randn(2, 1, kv_heads, tokens, head_dim, generator=generator)
+            cache.append(kv[0, :, :, :-1], kv[1, :, :, :-1])
+            # the last token as a decode step in one call (fp32 K/V rounded there): it flushes the last group
+            q = torch.randn(1, q_heads, 1, head_dim, generator=generator).half()
+            cache.attend_append_checked(q, kv[0, :, :, -1:], kv[1, :, :, -1:])
             for isa in ops.each_kernel():
                 for queries in (1, 5):
                     q = torch.randn(1, q_heads, queries, head_dim, generator=generator).half()
