@@ -172,7 +172,7 @@ class CacheOps(ABC):
     name: str = "?"
     # Whether attend_append itself rounds new K/V to fp16 and refuses non-finite ones (PnMixError,
     # nothing changed): its caller may then hand them over as the model gave them, unchecked.
-    checks_new_kv: bool = False
+    checks_kv_values: bool = False
 
     def init_args(self) -> tuple:
         """The arguments that make these ops again (the constructor's)."""
@@ -195,7 +195,7 @@ class CacheOps(ABC):
     def attend_append(self, q, layout: CacheLayout, state: State, seq_len: int, k: torch.Tensor,
                       v: torch.Tensor) -> torch.Tensor:
         """A decode step: attend(q, ..., k, v), then append(..., k, v); the attention's output.
-        k/v: fp16 K/V that fp16_kv passed, or any float K/V where checks_new_kv. A backend whose
+        k/v: fp16 K/V that fp16_kv passed, or any float K/V where checks_kv_values. A backend whose
         two calls share checks and buffers does both at once (the core: in one C call)."""
         out = self.attend(q, layout, state, seq_len, k, v)
         self.append(layout, state, seq_len, k, v)
@@ -256,9 +256,9 @@ class PackedKVCache:
             self.ops.append(self.layout, self.state, self.seq_len, k16, v16)
             self._appended(n)
 
-    def attend_append_checked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend_append_prechecked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """A decode step: attend(q, k, v), then the append of k/v, in one backend call. k/v: shapes
-        check_new_kv passed, values fp16_kv's, unless the ops check them (ops.checks_new_kv)."""
+        check_new_kv passed, values fp16_kv's, unless the ops check them (ops.checks_kv_values)."""
         n = k.shape[2]
         if n == 0:
             return self.ops.attend(q, self.layout, self.state, self.seq_len, k, v)

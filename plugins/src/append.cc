@@ -269,7 +269,7 @@ void compute_pair_mask(const pnmix_layout& L, const pnmix_state* st, const uint1
 }  // namespace
 
 int append_impl(const pnmix_layout* layout, pnmix_state* state, int64_t seq_len, const uint16_t* k, const uint16_t* v,
-                int64_t n, int64_t kv_bytes, bool check_only) {
+                int64_t n, int64_t kv_bytes, bool check_only, int threads) {
   if (int rc = check_layout(layout)) return rc;
   const pnmix_layout& L = *layout;
   if (int rc = check_state(L, state)) return rc;
@@ -301,7 +301,7 @@ int append_impl(const pnmix_layout* layout, pnmix_state* state, int64_t seq_len,
   job.k = k;
   job.v = v;
   const int64_t heads = L.batch * L.kv_heads, groups = heads * (job.after.groups - job.before.groups);
-  if (groups) parallel_for(groups > 1 ? resolve_threads(0) : 1, groups, quantize_group_item, &job);
+  if (groups) parallel_for(groups > 1 ? resolve_threads(threads) : 1, groups, quantize_group_item, &job);
   if (job.failed) return fail(PNMIX_ERR_INTERNAL, "out of memory for the append scratch");
   for (int64_t bh = 0; bh < heads; ++bh) move_sink_and_residual(job, bh);
   return ok();

@@ -574,7 +574,8 @@ int fp16_new_kv(const void* src, bool is_fp32, int64_t count, std::vector<uint16
   bool infinite_or_nan = false;  // exponent all ones
   for (int64_t i = 0; i < count; ++i) infinite_or_nan |= (h[i] & 0x7c00u) == 0x7c00u;
   if (infinite_or_nan)
-    return fail(PNMIX_ERR_VALUE, "new %s hold a value that is not finite in fp16 (NaN, Inf, or beyond +-65504)", what);
+    return fail(PNMIX_ERR_VALUE, "new %s hold a value that is not finite in fp16 (NaN, Inf, or a magnitude of 65520 or more)",
+                what);
   *out = h;
   return PNMIX_OK;
 }
@@ -652,7 +653,7 @@ int pnmix_attend_append(const pnmix_layout* layout, pnmix_state* state, int64_t 
     if (int rc = attend_impl(layout, state, nullptr, seq_len, q, q_is_fp32, q_heads, nq, q_bytes, k16, v16, n_new,
                              fp16_bytes, out, out_bytes, threads, nullptr, nullptr))
       return rc;
-    return append_impl(layout, state, seq_len, k16, v16, n_new, fp16_bytes);
+    return append_impl(layout, state, seq_len, k16, v16, n_new, fp16_bytes, /*check_only=*/false, threads);
   } catch (const std::exception& e) {
     return fail(PNMIX_ERR_INTERNAL, "attention and append failed: %s", e.what());
   }

@@ -46,8 +46,9 @@ inline int check_seq_len(const pnmix_layout& L, int64_t seq_len) {
 }
 
 // pnmix_append (append.cc): every check comes before the first write; check_only stops after them.
+// threads: the group flushes' threads, as pnmix_attend's argument (<= 0: the caller's cores).
 int append_impl(const pnmix_layout* layout, pnmix_state* state, int64_t seq_len, const uint16_t* k, const uint16_t* v,
-                int64_t n, int64_t kv_bytes, bool check_only = false);
+                int64_t n, int64_t kv_bytes, bool check_only = false, int threads = 0);
 
 template <typename T>
 inline T* buffer(const pnmix_state* state, int i) {

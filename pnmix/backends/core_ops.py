@@ -53,7 +53,7 @@ _SIGNATURES: native.Signatures = {
 __all__ = ["CConfig", "CLayout", "CPagedSequence", "CPagedState", "CState", "CoreOps", "c_layout", "c_state", "check", "core_library",
            "dump_state", "group_sections", "load_state"]
 
-STATUS_VALUE = 8  # PNMIX_ERR_VALUE (pnmix_core.h): new K/V not finite in fp16
+ERR_VALUE = 8  # PNMIX_ERR_VALUE (pnmix_core.h): new K/V not finite in fp16
 
 # The tensors of a paged sequence's slot (pnmix_paged_state): everything but the group tensors.
 SLOT_TENSORS = ("sink_k", "sink_v", "residual_k", "residual_v", "pair_mask")
@@ -79,19 +79,21 @@ def c_state(state: Dict[str, torch.Tensor]) -> CState:
     return native.c_state(state, _on_cpu)
 
 
-def _fp16(t: torch.Tensor, what: str) -> torch.Tensor:
+def _on_cpu_or_refused(t: torch.Tensor, what: str) -> torch.Tensor:
     if t.device.type != "cpu":
         raise PnMixError(f"the core backend needs CPU tensors; {what} is on {t.device}")
-    if t.dtype == torch.float16 and t.is_contiguous():
+    return t
+
+
+def _fp16(t: torch.Tensor, what: str) -> torch.Tensor:
+    if _on_cpu_or_refused(t, what).dtype == torch.float16 and t.is_contiguous():
         return t  # what the caches hand over: no tensor op (a decode step makes these per layer)
     return t.to(torch.float16).contiguous()
 
 
 def _step_kv(t: torch.Tensor, what: str) -> torch.Tensor:
     """New K/V as pnmix_attend_append takes them: contiguous fp16 or fp32 CPU tensors."""
-    if t.device.type != "cpu":
-        raise PnMixError(f"the core backend needs CPU tensors; {what} is on {t.device}")
-    if t.dtype in (torch.float16, torch.float32):
+    if _on_cpu_or_refused(t, what).dtype in (torch.float16, torch.float32):
         return t.contiguous()
     return t.to(torch.float16).contiguous()  # bf16 and fp64: one rounding, as fp16_kv's
 
@@ -103,9 +105,7 @@ def _output(q: torch.Tensor) -> torch.Tensor:
 
 def _cpu_query(q: torch.Tensor) -> torch.Tensor:
     """Queries as the kernels take them: contiguous fp16, or fp32 (bf16 and others are exact in fp32)."""
-    if q.device.type != "cpu":
-        raise PnMixError(f"the core backend needs CPU tensors; q is on {q.device}")
-    return (q if q.dtype == torch.float16 else q.float()).contiguous()
+    return (q if _on_cpu_or_refused(q, "q").dtype == torch.float16 else q.float()).contiguous()
 
 
 def _paged_pages(layout: CacheLayout, pages: torch.Tensor, block_size: int) -> CPagedState:
@@ -145,7 +145,7 @@ class CoreOps(CacheOps):
     """append / attend through libpnmix_core. threads: None or <= 0 uses every core."""
 
     name = "core"
-    checks_new_kv = True  # attend_append rounds and checks the new K/V in its one C call
+    checks_kv_values = True  # attend_append rounds and checks the new K/V in its one C call
 
     def __init__(self, threads: Optional[int] = None):
         self.lib = core_library()
@@ -191,7 +191,7 @@ class CoreOps(CacheOps):
             ctypes.byref(lay), ctypes.byref(st), seq_len, _ptr(q), int(q.dtype == torch.float32), q.shape[1],
             q.shape[2], _nbytes(q), _ptr(k), _ptr(v), int(k.dtype == torch.float32), k.shape[2], _nbytes(k),
             _ptr(out), _nbytes(out), self.threads)
-        if status == STATUS_VALUE:
+        if status == ERR_VALUE:
             fp16_kv(k, v, k.device, seq_len)  # raises, naming the tensor and its tokens
         check(self.lib, status)
         return out

@@ -74,7 +74,7 @@ class PnMixLayer(CacheLayerMixin):
         self.prefill_tokens = 0  # the first append's tokens: the pair mask was chosen from them
         self.prefill_kv: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # their fp16 K/V, while recording
         # Check a decode step's K/V values at its update even where the backend's attend_append checks
-        # them (ops.checks_new_kv): a row of a padded batch, whose rows are all checked before any appends.
+        # them (ops.checks_kv_values): a row of a padded batch, whose rows are all checked before any appends.
         self.check_at_update = False
 
     # ---- transformers' layer interface ----------------------------------------------------
@@ -142,9 +142,11 @@ class PnMixLayer(CacheLayerMixin):
         step, packed = self.pending, self.packed_cache()
         if step is None:
             raise PnMixError(f"layer {self.layer_idx} has no step waiting for the pnmix attention")
+        if query.dtype != torch.float16:  # the pnmix attention casts them; a direct caller may not
+            query = query.to(torch.float16)
         flushed = self._flushed_by(step.k_new, step.v_new)
         try:
-            out = packed.attend_append_checked(query, step.k_new, step.v_new)
+            out = packed.attend_append_prechecked(query, step.k_new, step.v_new)
         except BaseException:
             self.pending = None  # refused before anything changed: the layer is as before that update
             raise
@@ -156,7 +158,7 @@ class PnMixLayer(CacheLayerMixin):
         """Whether a decode step's K/V go to the backend as the model gave them: on the packed path,
         the backend's attend_append rounds and checks them itself (the core, in one C call)."""
         return (seq_before > 0 and self.packed_attention and not self.check_at_update
-                and self.ops is not None and self.ops.checks_new_kv)
+                and self.ops is not None and self.ops.checks_kv_values)
 
     def expected_mask(self, kv: int, nq: int, device) -> torch.Tensor:
         """The mask the pnmix attention accepts: the causal future hidden, [nq, kv]."""
@@ -180,7 +182,7 @@ class PnMixLayer(CacheLayerMixin):
         (the step's, fp16 or as the model gave them) will flush, read before the append; else none."""
         if not self.record_past:
             return []
-        k16, v16 = k.to(torch.float16), v.to(torch.float16)
+        k16, v16 = (t.detach().to(torch.float16) for t in (k, v))  # the model's K/V may carry autograd
         packed = self.packed_cache()
         before, after, stream_k, stream_v = residual_stream(packed.layout, packed.state, packed.seq_len, k16, v16)
         size = self.config.group_size

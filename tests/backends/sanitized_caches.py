@@ -32,7 +32,7 @@ def main() -> None:
             cache.append(kv[0, :, :, :-1], kv[1, :, :, :-1])
             # the last token as a decode step in one call (fp32 K/V rounded there): it flushes the last group
             q = torch.randn(1, q_heads, 1, head_dim, generator=generator).half()
-            cache.attend_append_checked(q, kv[0, :, :, -1:], kv[1, :, :, -1:])
+            cache.attend_append_prechecked(q, kv[0, :, :, -1:], kv[1, :, :, -1:])
             for isa in ops.each_kernel():
                 for queries in (1, 5):
                     q = torch.randn(1, q_heads, queries, head_dim, generator=generator).half()

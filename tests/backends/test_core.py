@@ -191,6 +191,27 @@ def test_a_decode_step_of_fp32_kv_rounds_them_as_the_cache_does(ops):
     assert dump.dump_state(layout, as_fp32, 400) == dump.dump_state(layout, as_fp16, 400)
 
 
+def test_a_decode_step_of_any_float_kv_equals_the_caches_fp16(ops):
+    """bf16, fp64, a mix of dtypes and non-contiguous K/V through attend_append: the output and
+    bytes of the same step given fp16_kv's fp16 K/V."""
+    from pnmix.cache import fp16_kv
+
+    layout = CacheLayout(CONFIGS["manifest"], 1, 2, 32, 400)
+    k, v = make_random_kv(1, 2, 390, 32, seed=4, dtype=torch.float64)
+    q = torch.randn(1, 4, 1, 32).half()
+    base, seq_len = run_schedule(ops.append, layout, [384], k.half(), v.half())
+    new_k, new_v = k[:, :, seq_len:seq_len + 1], v[:, :, seq_len:seq_len + 1]
+    strided = torch.randn(1, 1, 2, 32, dtype=torch.float64).transpose(1, 2)  # [1, 2, 1, 32], not dense
+    for key, value in [(new_k.bfloat16(), new_v.bfloat16()), (new_k, new_v), (new_k.half(), new_v.float()),
+                       (strided, new_v.float()), (new_k.float(), strided.bfloat16())]:
+        state = {name: t.clone() for name, t in base.items()}
+        want_state = {name: t.clone() for name, t in base.items()}
+        got = ops.attend_append(q, layout, state, seq_len, key, value)
+        want = ops.attend_append(q, layout, want_state, seq_len, *fp16_kv(key, value, key.device, seq_len))
+        assert torch.equal(got, want), (key.dtype, value.dtype)
+        assert all(torch.equal(state[name], want_state[name]) for name in STATE_NAMES), (key.dtype, value.dtype)
+
+
 NON_FINITE = [("keys", float("nan")), ("values", float("inf")), ("keys", -float("inf"))]
 
 
@@ -435,12 +456,12 @@ def test_attend_append_checks_everything_before_it_writes(abi):
     q = torch.randn(1, 4, 1, 32)
     out = torch.empty(1, 4, 1, 32)
 
-    def step(seq_len=398, n_new=1, new_bytes=None, is_fp32=1, new_k=None):
+    def step(seq_len=398, n_new=1, new_bytes=None, is_fp32=1, new_k=None, q_bytes=q.numel() * 4):
         new_k = k[:, :, seq_len:seq_len + n_new].contiguous() if new_k is None else new_k
         new_v = v[:, :, seq_len:seq_len + n_new].contiguous()
         size = new_k.numel() * (4 if is_fp32 else 2) if new_bytes is None else new_bytes
         return lib.pnmix_attend_append(ctypes.byref(lay), ctypes.byref(st), seq_len, q.data_ptr(), 1, 4, 1,
-                                       q.numel() * 4, new_k.data_ptr(), new_v.data_ptr(), is_fp32, n_new, size,
+                                       q_bytes, new_k.data_ptr(), new_v.data_ptr(), is_fp32, n_new, size,
                                        out.data_ptr(), out.numel() * 4, 1)
 
     assert "n_new must be in 1.." in _error(lib, step(n_new=0, new_bytes=0))[1]
@@ -452,6 +473,7 @@ def test_attend_append_checks_everything_before_it_writes(abi):
     bad[0, 1, 0, 7] = 1e5  # beyond fp16's range
     code, msg = _error(lib, step(new_k=bad))
     assert code == 8 and "new keys" in msg and "not finite in fp16" in msg
+    assert "q buffer" in _error(lib, step(q_bytes=q.numel() * 4 - 4))[1]  # the attention's check, after the append's
     assert all(torch.equal(before[name], state[name]) for name in STATE_NAMES)
     assert step() == 0 and step(seq_len=399) == 0  # the same arguments, finite and in range, go in
     assert not torch.equal(before["residual_k"], state["residual_k"])

@@ -97,7 +97,7 @@ def test_capacity_is_an_error_and_leaves_the_cache_untouched(random_kv):
 
 def _steps_both_ways(random_kv, prefill, steps):
     """Two caches given the same prefill and decode steps: one attends and then appends each
-    step, the other takes each in one attend_append_checked call; their outputs, per step."""
+    step, the other takes each in one attend_append_prechecked call; their outputs, per step."""
     k, v = random_kv(1, 2, prefill + steps, 32, seed=4)
     q = torch.randn(1, 4, 1, 32, generator=torch.Generator().manual_seed(9)).half()
     apart, together = (PackedKVCache(PnMixConfig(), 2, 32, prefill + steps) for _ in range(2))
@@ -110,7 +110,7 @@ def _steps_both_ways(random_kv, prefill, steps):
             continue
         expected = apart.attend(q, new_k, new_v)
         apart.append(new_k, new_v)
-        outs.append((expected, together.attend_append_checked(q, new_k, new_v)))
+        outs.append((expected, together.attend_append_prechecked(q, new_k, new_v)))
     return apart, together, outs
 
 
@@ -128,7 +128,7 @@ def test_a_decode_step_past_capacity_is_refused_and_changes_nothing(random_kv):
     cache.append(k[:, :, :16], v[:, :, :16])
     before = {name: t.clone() for name, t in cache.state.items()}
     q = torch.randn(1, 2, 1, 32).half()
-    for step in (lambda: cache.attend_append_checked(q, k[:, :, 16:], v[:, :, 16:]),
+    for step in (lambda: cache.attend_append_prechecked(q, k[:, :, 16:], v[:, :, 16:]),
                  lambda: cache.append_fp16(k[:, :, 16:], v[:, :, 16:])):
         with pytest.raises(PnMixError, match="capacity exceeded"):
             step()

@@ -11,6 +11,7 @@ transformers = pytest.importorskip("transformers", reason="transformers 5.x is t
 
 from pnmix.cache import PackedKVCache  # noqa: E402
 from pnmix.config import PnMixConfig  # noqa: E402
+from pnmix._native import NativeLibraryError  # noqa: E402
 from pnmix.errors import PnMixError  # noqa: E402
 from pnmix.format import STATE_NAMES  # noqa: E402
 from pnmix.hf import PnMixCache  # noqa: E402
@@ -150,7 +151,10 @@ def test_a_packed_step_with_non_finite_kv_is_refused_and_the_layer_goes_on(backe
     """On the packed path the core checks a step's K/V in its one call (the torch backend at the
     update): either way the step is refused, the layer is as it was, and the next step goes in."""
     cache = PnMixCache(backend=backend)
-    cache.update(*kv(160, seed=0), 0)
+    try:
+        cache.update(*kv(160, seed=0), 0)
+    except NativeLibraryError as exc:  # conftest.py fails the run for this where the core must exist
+        pytest.skip(f"libpnmix_core is not built: {exc}")
     layer = cache.layers[0]
     layer.packed_attention = True  # what the pnmix attention sets after the prefill
     before = {name: t.clone() for name, t in layer.packed.state.items()}

@@ -76,6 +76,24 @@ def test_crop_across_flushed_groups_is_exact_while_recording(backend):
     assert dumped(cache) == dumped(fed(split(k, v, 40, 1, 39), backend=backend))
 
 
+@pytest.mark.parametrize("backend", ["torch", None])
+def test_crop_after_packed_steps_of_the_models_kv_is_exact(backend):
+    """Steps on the packed path (where the core takes the model's fp32 K/V unconverted) that flush a
+    group while recording, K/V carrying autograd as outside no_grad: the crop gives back exactly the
+    cache that never saw them, and no state tensor takes a graph."""
+    k, v = (t.float() for t in kv(60, 3))
+    cache = fed(split(k, v, 30), record=True, backend=backend)  # 4 sink, a group, 10 residual
+    layer = cache.layers[0]
+    layer.packed_attention = True  # what the pnmix attention sets after the prefill
+    q = torch.randn(1, 2 * HEADS, 1, DIM).half()
+    for t in range(30, 50):  # token 44 fills the residual: a flush
+        cache.update(k[:, :, t:t + 1].requires_grad_(), v[:, :, t:t + 1].requires_grad_(), 0)
+        layer.attend_pending(q)
+    cache.crop(-18)  # back to 32 tokens, across the flushed group
+    assert dumped(cache) == dumped(fed(split(k, v, 30, 2), backend=backend))
+    assert not any(t.requires_grad for t in layer.packed.state.values())
+
+
 def test_crop_past_what_is_kept_is_one_line_and_changes_nothing():
     k, v = kv(90, 2)
     cache = fed(split(k, v, 40, 30))  # not recording: the two groups the 30 flushed are quantized only

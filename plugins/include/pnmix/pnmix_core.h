@@ -78,9 +78,11 @@ PNMIX_API int pnmix_append(const pnmix_layout* layout, pnmix_state* state, int64
  * pnmix_append of them (state ends holding seq_len + n_new tokens). k_new/v_new [B, H, n_new, D]
  * are fp16 bits, or fp32 when new_is_fp32 (rounded to fp16 as pnmix_float_to_half(..., 0) does);
  * new_bytes is the bytes of each. A new key or value that is not finite in fp16 (NaN, Inf, or an
- * fp32 beyond +-65504) fails the call with PNMIX_ERR_VALUE, and every argument the append checks
- * (capacity included) is checked, before anything is written; a failing call leaves the state as
- * it was. Output and work split as pnmix_attend's. */
+ * fp32 of magnitude 65520 or more, which rounds to Inf) fails the call with PNMIX_ERR_VALUE, and
+ * every argument the append checks (capacity included) is checked, before anything is written; a
+ * failing call leaves the state as it was. The attention's output and work split are pnmix_attend's;
+ * `threads` serves the append's group flushes too. out must not overlap k_new or v_new (the
+ * attention writes it before the append reads them). */
 PNMIX_API int pnmix_attend_append(const pnmix_layout* layout, pnmix_state* state, int64_t seq_len, const void* q,
                                   int q_is_fp32, int64_t q_heads, int64_t nq, int64_t q_bytes, const void* k_new,
                                   const void* v_new, int new_is_fp32, int64_t n_new, int64_t new_bytes, float* out,
