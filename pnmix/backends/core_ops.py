@@ -53,8 +53,6 @@ _SIGNATURES: native.Signatures = {
 __all__ = ["CConfig", "CLayout", "CPagedSequence", "CPagedState", "CState", "CoreOps", "c_layout", "c_state", "check", "core_library",
            "dump_state", "group_sections", "load_state"]
 
-ERR_VALUE = 8  # PNMIX_ERR_VALUE (pnmix_core.h): new K/V not finite in fp16
-
 # The tensors of a paged sequence's slot (pnmix_paged_state): everything but the group tensors.
 SLOT_TENSORS = ("sink_k", "sink_v", "residual_k", "residual_v", "pair_mask")
 
@@ -68,10 +66,21 @@ def check(lib: ctypes.CDLL, status: int) -> None:
     native.check_status(status, "pnmix core", lib.pnmix_last_error)
 
 
-def _on_cpu(name: str, t: torch.Tensor):
-    if t.device.type != "cpu":
-        return f"the core backend needs CPU tensors; state tensor '{name}' is on {t.device}"
-    return None
+def _cpu_problem(t: torch.Tensor, what: str) -> Optional[str]:
+    """None for a CPU tensor, else the one-line error naming `what` and where it is."""
+    return None if t.device.type == "cpu" else f"the core backend needs CPU tensors; {what} is on {t.device}"
+
+
+def _on_cpu(name: str, t: torch.Tensor) -> Optional[str]:
+    return _cpu_problem(t, f"state tensor '{name}'")
+
+
+def _cpu_only(t: torch.Tensor, what: str) -> torch.Tensor:
+    """t, refused unless it is on the CPU."""
+    problem = _cpu_problem(t, what)
+    if problem:
+        raise PnMixError(problem)
+    return t
 
 
 def c_state(state: Dict[str, torch.Tensor]) -> CState:
@@ -79,21 +88,15 @@ def c_state(state: Dict[str, torch.Tensor]) -> CState:
     return native.c_state(state, _on_cpu)
 
 
-def _on_cpu_or_refused(t: torch.Tensor, what: str) -> torch.Tensor:
-    if t.device.type != "cpu":
-        raise PnMixError(f"the core backend needs CPU tensors; {what} is on {t.device}")
-    return t
-
-
 def _fp16(t: torch.Tensor, what: str) -> torch.Tensor:
-    if _on_cpu_or_refused(t, what).dtype == torch.float16 and t.is_contiguous():
+    if _cpu_only(t, what).dtype == torch.float16 and t.is_contiguous():
         return t  # what the caches hand over: no tensor op (a decode step makes these per layer)
     return t.to(torch.float16).contiguous()
 
 
 def _step_kv(t: torch.Tensor, what: str) -> torch.Tensor:
     """New K/V as pnmix_attend_append takes them: contiguous fp16 or fp32 CPU tensors."""
-    if _on_cpu_or_refused(t, what).dtype in (torch.float16, torch.float32):
+    if _cpu_only(t, what).dtype in (torch.float16, torch.float32):
         return t.contiguous()
     return t.to(torch.float16).contiguous()  # bf16 and fp64: one rounding, as fp16_kv's
 
@@ -105,14 +108,12 @@ def _output(q: torch.Tensor) -> torch.Tensor:
 
 def _cpu_query(q: torch.Tensor) -> torch.Tensor:
     """Queries as the kernels take them: contiguous fp16, or fp32 (bf16 and others are exact in fp32)."""
-    return (q if _on_cpu_or_refused(q, "q").dtype == torch.float16 else q.float()).contiguous()
+    return (q if _cpu_only(q, "q").dtype == torch.float16 else q.float()).contiguous()
 
 
 def _paged_pages(layout: CacheLayout, pages: torch.Tensor, block_size: int) -> CPagedState:
     """A paged state with the layer's pages filled in (checked): uint8 [num_blocks, H, head_bytes]."""
-    if pages.device.type != "cpu":
-        raise PnMixError(f"the core backend needs CPU tensors; pages is on {pages.device}")
-    if pages.dtype != torch.uint8 or pages.dim() != 3 or pages.shape[1] != layout.kv_heads or pages.stride(2) != 1:
+    if _cpu_only(pages, "pages").dtype != torch.uint8 or pages.dim() != 3 or pages.shape[1] != layout.kv_heads or pages.stride(2) != 1:
         raise PnMixError(f"pages must be uint8 [num_blocks, kv_heads={layout.kv_heads}, head_bytes] with dense "
                          f"rows, got {pages.dtype} {list(pages.shape)} strides {list(pages.stride())}")
     return CPagedState(pages=_ptr(pages), num_blocks=pages.shape[0], page_bytes=pages.stride(0),
@@ -121,9 +122,7 @@ def _paged_pages(layout: CacheLayout, pages: torch.Tensor, block_size: int) -> C
 
 def _check_block_ids(table: torch.Tensor, dims: int) -> None:
     """A block table: int32 or int64 ids, ``dims``-D, its (last) dimension dense, on the CPU."""
-    if table.device.type != "cpu":
-        raise PnMixError(f"the core backend needs CPU tensors; the block table is on {table.device}")
-    if table.dtype not in (torch.int32, torch.int64) or table.dim() != dims or (
+    if _cpu_only(table, "the block table").dtype not in (torch.int32, torch.int64) or table.dim() != dims or (
             table.shape[-1] > 1 and table.stride(-1) != 1):
         raise PnMixError(f"block table must be a {dims}-D int32 or int64 tensor with dense rows, got {table.dtype} "
                          f"{list(table.shape)}")
@@ -191,8 +190,8 @@ class CoreOps(CacheOps):
             ctypes.byref(lay), ctypes.byref(st), seq_len, _ptr(q), int(q.dtype == torch.float32), q.shape[1],
             q.shape[2], _nbytes(q), _ptr(k), _ptr(v), int(k.dtype == torch.float32), k.shape[2], _nbytes(k),
             _ptr(out), _nbytes(out), self.threads)
-        if status == ERR_VALUE:
-            fp16_kv(k, v, k.device, seq_len)  # raises, naming the tensor and its tokens
+        if status:  # the values are the C call's first check: fp16_kv names the tensor and its tokens
+            fp16_kv(k, v, k.device, seq_len)
         check(self.lib, status)
         return out
 
@@ -254,8 +253,7 @@ class CoreOps(CacheOps):
         if len(slot_ids) != n:
             raise PnMixError(f"{len(slot_ids)} slot ids for {n} sequences")
         for name, t in (("q", q), ("block_tables", block_tables)):
-            if t.device.type != "cpu":
-                raise PnMixError(f"the core backend needs CPU tensors; {name} is on {t.device}")
+            _cpu_only(t, name)
         template = _paged_pages(layout, pages, block_size)
         _check_block_ids(block_tables, 2)
         if block_tables.shape[0] != n:

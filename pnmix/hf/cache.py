@@ -147,11 +147,9 @@ class PnMixLayer(CacheLayerMixin):
         flushed = self._flushed_by(step.k_new, step.v_new)
         try:
             out = packed.attend_append_prechecked(query, step.k_new, step.v_new)
-        except BaseException:
-            self.pending = None  # refused before anything changed: the layer is as before that update
-            raise
+        finally:
+            self.pending = None  # taken, or refused before anything changed: either way the step is over
         self._keep_flushed(flushed)
-        self.pending = None
         return out
 
     def _backend_checks_step(self, seq_before: int) -> bool:
