@@ -2,9 +2,10 @@
 
     cmake -S plugins -B build/phases -DPNMIX_PHASE_TIMES=ON && cmake --build build/phases --target pnmix_core
     python tools/phase_times.py build/phases[:ISA[:ARITH]] [--context 32768] [--threads 1] [--blocks 10]
+                                [--heads 32/8/128]
 
-Runs tools/core_ab.py with that one build (the same cache and calls: batch 1, 32 query / 8 KV heads,
-head dim 128, one query) in a child process. At exit the library prints how many time-stamp ticks each
+Runs tools/core_ab.py with that one build (the same cache and calls: batch 1, by default 32 query / 8 KV
+heads, head dim 128, one query) in a child process. At exit the library prints how many time-stamp ticks each
 phase of attend_group took in all (plugins/src/phase_times.h names the phases); this tool turns them
 into ticks and nanoseconds per group and KV head and shares of the total. The timers cost a
 counter read per phase, a few percent of a group; the outputs are bitwise those of a normal build.
@@ -43,12 +44,13 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--blocks", type=int, default=10, help="rounds of five calls")
+    parser.add_argument("--heads", default="32/8/128", help="QUERY/KV/DIM (core_ab.py's; 9/3/64: SmolLM2-135M's)")
     args = parser.parse_args()
     folder = parse_build(args.build)[0]
     if problem := folder_problem(folder):  # before the child: one line, not its traceback
         parser.error(problem)
     command = [sys.executable, str(TOOLS / "core_ab.py"), args.build, "--context", str(args.context),
-               "--threads", str(args.threads), "--blocks", str(args.blocks)]
+               "--threads", str(args.threads), "--blocks", str(args.blocks), "--heads", args.heads]
     run = subprocess.run(command, capture_output=True, text=True)
     if run.returncode:
         last = (run.stderr.strip().splitlines() or ["(no message)"])[-1]
