@@ -630,6 +630,14 @@ int pnmix_attend_on(const pnmix_layout* layout, const pnmix_state* state, int64_
 int pnmix_attend_append(const pnmix_layout* layout, pnmix_state* state, int64_t seq_len, const void* q, int q_is_fp32,
                         int64_t q_heads, int64_t nq, int64_t q_bytes, const void* k_new, const void* v_new,
                         int new_is_fp32, int64_t n_new, int64_t new_bytes, float* out, int64_t out_bytes, int threads) {
+  return pnmix_attend_append_on(layout, state, seq_len, q, q_is_fp32, q_heads, nq, q_bytes, k_new, v_new, new_is_fp32,
+                                n_new, new_bytes, out, out_bytes, threads, nullptr, nullptr);
+}
+
+int pnmix_attend_append_on(const pnmix_layout* layout, pnmix_state* state, int64_t seq_len, const void* q,
+                           int q_is_fp32, int64_t q_heads, int64_t nq, int64_t q_bytes, const void* k_new,
+                           const void* v_new, int new_is_fp32, int64_t n_new, int64_t new_bytes, float* out,
+                           int64_t out_bytes, int threads, pnmix_parallel_for runner, void* runner_ctx) {
   try {
     if (int rc = check_layout(layout)) return rc;
     const pnmix_layout& L = *layout;
@@ -651,7 +659,7 @@ int pnmix_attend_append(const pnmix_layout* layout, pnmix_state* state, int64_t 
     if (int rc = fp16_new_kv(v_new, new_is_fp32, count, v_rounded, "values", &v16)) return rc;
     if (int rc = append_impl(layout, state, seq_len, k16, v16, n_new, fp16_bytes, /*check_only=*/true)) return rc;
     if (int rc = attend_impl(layout, state, nullptr, seq_len, q, q_is_fp32, q_heads, nq, q_bytes, k16, v16, n_new,
-                             fp16_bytes, out, out_bytes, threads, nullptr, nullptr))
+                             fp16_bytes, out, out_bytes, threads, runner, runner_ctx))
       return rc;
     return append_impl(layout, state, seq_len, k16, v16, n_new, fp16_bytes, /*check_only=*/false, threads);
   } catch (const std::exception& e) {

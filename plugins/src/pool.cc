@@ -1,5 +1,7 @@
 #include "pool.h"
 
+#include "pnmix/pnmix_core.h"
+
 #if defined(__linux__)
 #include <sched.h>
 #endif
@@ -158,3 +160,32 @@ void parallel_for(int threads, int64_t n_items, void (*fn)(void*, int64_t), void
 }
 
 }  // namespace pnmix
+
+// pnmix_openmp_parallel_for (pnmix_core.h): the items of one call, shared out by a counter among
+// the threads of an OpenMP team. The team runs team_body once per thread and joins before
+// GOMP_parallel returns, so `work` outlives every use of it.
+namespace {
+struct TeamWork {
+  pnmix_task task;
+  void* task_ctx;
+  int64_t items;
+  std::atomic<int64_t> next{0};
+};
+
+void team_body(void* data) {
+  TeamWork& work = *static_cast<TeamWork*>(data);
+  for (int64_t item = work.next.fetch_add(1); item < work.items; item = work.next.fetch_add(1))
+    work.task(work.task_ctx, item);
+}
+}  // namespace
+
+extern "C" int pnmix_openmp_parallel_for(void* gomp_parallel, pnmix_task task, void* task_ctx, int64_t items) {
+  if (!gomp_parallel || !task) return -1;
+  using GompParallel = void (*)(void (*)(void*), void*, unsigned, unsigned);
+  TeamWork work;
+  work.task = task;
+  work.task_ctx = task_ctx;
+  work.items = items;
+  reinterpret_cast<GompParallel>(gomp_parallel)(team_body, &work, 0, 0);  // 0 threads: the team's default size
+  return 0;
+}

@@ -8,7 +8,10 @@ dtypes, contiguity) and in the library (every size), whose message becomes a PnM
 from __future__ import annotations
 
 import ctypes
+import functools
+import os
 import time
+from pathlib import Path
 from typing import Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
@@ -21,7 +24,7 @@ from .native import (INT as _INT, I64 as _I64, PTR as _PTR, CConfig, CLayout, CP
                      nbytes as _nbytes, ptr as _ptr)
 
 LIBRARY = "pnmix_core"
-ABI_VERSION = 8
+ABI_VERSION = 9
 
 _SIGNATURES: native.Signatures = {
     "pnmix_core_abi_version": ([], _INT),
@@ -33,6 +36,11 @@ _SIGNATURES: native.Signatures = {
     "pnmix_attend": ([_PTR, _PTR, _I64, _PTR, _INT, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _INT], _INT),
     "pnmix_attend_append": ([_PTR, _PTR, _I64, _PTR, _INT, _I64, _I64, _I64, _PTR, _PTR, _INT, _I64, _I64, _PTR, _I64, _INT],
                             _INT),
+    "pnmix_attend_on": ([_PTR, _PTR, _I64, _PTR, _INT, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _INT, _PTR,
+                         _PTR], _INT),
+    "pnmix_attend_append_on": ([_PTR, _PTR, _I64, _PTR, _INT, _I64, _I64, _I64, _PTR, _PTR, _INT, _I64, _I64, _PTR, _I64,
+                                _INT, _PTR, _PTR], _INT),
+    "pnmix_openmp_parallel_for": ([_PTR, _PTR, _PTR, _I64], _INT),
     "pnmix_attend_paged": ([_PTR, _PTR, _I64, _PTR, _INT, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _INT],
                            _INT),
     "pnmix_attend_paged_batch": ([_PTR, _PTR, _I64, _INT, _I64, _INT], _INT),
@@ -140,18 +148,54 @@ def _slot_tensors(slot: Dict[str, torch.Tensor], what: str) -> Dict[str, torch.T
     return {name: slot[name] for name in SLOT_TENSORS}
 
 
+# The OpenMP runtimes a torch build may run its intra-op threads on (in torch's own lib folder).
+OPENMP_RUNTIMES = ("libgomp*", "libiomp5*", "libomp*")
+
+
+@functools.lru_cache(maxsize=None)
+def torch_openmp_team() -> Optional[int]:
+    """The address of GOMP_parallel in the OpenMP runtime that runs torch's intra-op threads, or
+    None: torch on another threading backend, or its runtime not loaded from torch's lib folder
+    (only a runtime already loaded is taken: loading a second one would start a second team)."""
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return None
+    folder = Path(torch.__file__).parent / "lib"
+    for pattern in OPENMP_RUNTIMES:
+        for path in sorted(folder.glob(pattern)):
+            try:
+                runtime = ctypes.CDLL(str(path), mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+                return ctypes.cast(runtime.GOMP_parallel, ctypes.c_void_p).value
+            except (OSError, AttributeError):  # not loaded, or not an OpenMP runtime after all
+                continue
+    return None
+
+
 class CoreOps(CacheOps):
-    """append / attend through libpnmix_core. threads: None or <= 0 uses every core."""
+    """append / attend through libpnmix_core. threads: None or <= 0 uses every core (on torch's
+    threads: torch.get_num_threads()).
+
+    torch_threads: run the attention's work items on torch's intra-op threads where torch runs
+    them on an OpenMP runtime (pnmix_openmp_parallel_for): between a model's layers they are awake,
+    spinning, and a decode step's attention starts on all of them at once, where the core's own pool
+    would wake a helper to share a core with torch's spinning one (docs/BENCHMARKS.md section 2.24).
+    False, or a torch without that runtime: the core's own pool."""
 
     name = "core"
     checks_kv_values = True  # attend_append rounds and checks the new K/V in its one C call
 
-    def __init__(self, threads: Optional[int] = None):
+    def __init__(self, threads: Optional[int] = None, torch_threads: bool = True):
         self.lib = core_library()
         self.threads = int(threads or 0)
+        self.torch_threads = bool(torch_threads)
+        self.team = torch_openmp_team() if self.torch_threads else None
+        self.runner = ctypes.cast(self.lib.pnmix_openmp_parallel_for, ctypes.c_void_p).value if self.team else None
 
     def init_args(self) -> tuple:
-        return (self.threads,)
+        return (self.threads, self.torch_threads)
+
+    def _threads(self) -> int:
+        """The threads a call's work is split for: on torch's threads, as many as torch uses."""
+        return self.threads or (torch.get_num_threads() if self.team else 0)
 
     def append(self, layout, state, seq_len, k, v):
         check_new_kv(layout, k, v)
@@ -169,10 +213,10 @@ class CoreOps(CacheOps):
             k_new = v_new = None
         out = _output(q)
         lay, st = c_layout(layout), c_state(state)
-        check(self.lib, self.lib.pnmix_attend(
+        check(self.lib, self.lib.pnmix_attend_on(
             ctypes.byref(lay), ctypes.byref(st), seq_len, _ptr(q), int(q.dtype == torch.float32), q.shape[1],
             q.shape[2], _nbytes(q), _ptr(k_new), _ptr(v_new), 0 if k_new is None else k_new.shape[2],
-            _nbytes(k_new), _ptr(out), _nbytes(out), self.threads))
+            _nbytes(k_new), _ptr(out), _nbytes(out), self._threads(), self.runner, self.team))
         return out
 
     def attend_append(self, q, layout, state, seq_len, k, v):
@@ -186,10 +230,10 @@ class CoreOps(CacheOps):
             k, v = k.float(), v.float()
         out = _output(q)
         lay, st = c_layout(layout), c_state(state)
-        status = self.lib.pnmix_attend_append(
+        status = self.lib.pnmix_attend_append_on(
             ctypes.byref(lay), ctypes.byref(st), seq_len, _ptr(q), int(q.dtype == torch.float32), q.shape[1],
             q.shape[2], _nbytes(q), _ptr(k), _ptr(v), int(k.dtype == torch.float32), k.shape[2], _nbytes(k),
-            _ptr(out), _nbytes(out), self.threads)
+            _ptr(out), _nbytes(out), self._threads(), self.runner, self.team)
         if status:  # the values are the C call's first check: fp16_kv names the tensor and its tokens
             fp16_kv(k, v, k.device, seq_len)
         check(self.lib, status)

@@ -19,10 +19,11 @@
 extern "C" {
 #endif
 
-#define PNMIX_CORE_ABI_VERSION 8 /* 3: pnmix_core_struct_offset; 4: pnmix_attend_on; 5: pnmix_set_attend_arith; \
+#define PNMIX_CORE_ABI_VERSION 9 /* 3: pnmix_core_struct_offset; 4: pnmix_attend_on; 5: pnmix_set_attend_arith; \
                                     6: pnmix_paged_state, pnmix_attend_paged, pnmix_group_sections; \
                                     7: pnmix_paged_sequence, pnmix_attend_paged_batch; \
-                                    8: pnmix_attend_append, PNMIX_ERR_VALUE */
+                                    8: pnmix_attend_append, PNMIX_ERR_VALUE; \
+                                    9: pnmix_attend_append_on, pnmix_openmp_parallel_for */
 
 #if defined(_WIN32)
 #define PNMIX_API
@@ -172,6 +173,25 @@ PNMIX_API int pnmix_attend_on(const pnmix_layout* layout, const pnmix_state* sta
                     int q_is_fp32, int64_t q_heads, int64_t nq, int64_t q_bytes, const uint16_t* k_new,
                     const uint16_t* v_new, int64_t n_new, int64_t new_bytes, float* out, int64_t out_bytes,
                     int threads, pnmix_parallel_for runner, void* runner_ctx);
+
+/* pnmix_attend_append with the attention's work items on the caller's threads (runner, as in
+ * pnmix_attend_on; null: pnmix_attend_append). The append's group flushes run on the core's pool. */
+PNMIX_API int pnmix_attend_append_on(const pnmix_layout* layout, pnmix_state* state, int64_t seq_len, const void* q,
+                                     int q_is_fp32, int64_t q_heads, int64_t nq, int64_t q_bytes, const void* k_new,
+                                     const void* v_new, int new_is_fp32, int64_t n_new, int64_t new_bytes, float* out,
+                                     int64_t out_bytes, int threads, pnmix_parallel_for runner, void* runner_ctx);
+
+/* A pnmix_parallel_for on an OpenMP runtime's thread team: runner_ctx is the address of that
+ * runtime's GOMP_parallel (GCC libgomp's entry point, which LLVM's libomp and Intel's libiomp5
+ * provide too: void GOMP_parallel(void (*fn)(void*), void* data, unsigned num_threads,
+ * unsigned flags)). The team is the runtime's default for the calling thread (omp_get_max_threads);
+ * its threads take the items one at a time, so any team size runs them all. A framework whose
+ * intra-op threads are that team (PyTorch's CPU builds) keeps them spinning for a while after each
+ * of its own kernels: a decode step's attention, called between two of them, starts on every
+ * thread at once, where the core's own pool would wake a sleeping helper (tens of microseconds in a
+ * virtual machine) to share a core with the framework's spinning one. Returns -1 (nothing run) when
+ * runner_ctx is null. */
+PNMIX_API int pnmix_openmp_parallel_for(void* gomp_parallel, pnmix_task task, void* task_ctx, int64_t items);
 
 /* The attention kernel in use: "avx512vbmi", "avx512", "avx2" or "scalar" (chosen at run time from
  * cpuid; groups whose size is not a multiple of 16 use "avx2" in place of the AVX-512 kernels). With
