@@ -1,7 +1,7 @@
 """A/B of libpnmix_core builds: the packed attention of each, in ONE process, over the same cache.
 
-    python tools/core_ab.py BUILD_DIR_A[:ISA[:ARITH]] BUILD_DIR_B[:ISA[:ARITH]] [--context 32768] [--threads 2]
-                            [--blocks 20] [--queries 1] [--heads 32/8/128]
+    python tools/core_ab.py BUILD_DIR_A[:ISA[:ARITH[:THREADS_ON]]] BUILD_DIR_B[:ISA[:ARITH[:THREADS_ON]]]
+                            [--context 32768] [--threads 2] [--blocks 20] [--queries 1] [--heads 32/8/128]
 
 Each folder holds a libpnmix_core.so (e.g. the installed pnmix/lib and a `cmake --build build/dev`
 of a change); ISA (avx2, avx512, avx512vbmi, scalar; default auto) and ARITH (fp32, int8; default
@@ -35,10 +35,16 @@ def folder_problem(folder: str) -> str | None:
     return None
 
 
+def parse_spec(text: str) -> tuple[str, str, str, str]:
+    """FOLDER[:ISA[:ARITH[:THREADS_ON]]] as (folder, isa, arith, threads_on): "auto" for an ISA or
+    arithmetic not given, "torch" for the threads."""
+    folder, isa, arith, threads_on = (text.split(":") + ["", "", ""])[:4]
+    return folder, isa or "auto", arith or "auto", threads_on or "torch"
+
+
 def parse_build(text: str) -> tuple[str, str, str]:
     """FOLDER[:ISA[:ARITH]] as (folder, isa, arith), "auto" for an ISA or arithmetic not given."""
-    folder, isa, arith = (text.split(":") + ["", ""])[:3]
-    return folder, isa or "auto", arith or "auto"
+    return parse_spec(text)[:3]
 
 
 def heads_arg(parser: argparse.ArgumentParser, text: str) -> tuple[int, int, int]:
@@ -87,23 +93,30 @@ def main() -> None:
     from pnmix import _native
     from pnmix.backends.core_ops import CoreOps
     from pnmix.bench.timing import time_interleaved
+    from pnmix.errors import PnMixError
 
     for build in args.builds:
         if problem := folder_problem(parse_build(build)[0]):
             parser.error(problem)
+        if parse_spec(build)[3] not in ("torch", "pool"):
+            parser.error(f"{build}: THREADS_ON must be torch or pool")
+    torch.set_num_threads(args.threads)  # the team CoreOps runs on (bench decode sets it alike)
 
     n, nq = args.context, args.queries
     q, layout, state, k_new, v_new = decode_case(n, nq, q_heads, kv_heads, dim)
-    libraries: dict[str, CoreOps] = {}
+    libraries: dict[tuple[str, str], CoreOps] = {}
     calls = []
     for build in args.builds:
-        folder, isa, arith = parse_build(build)
-        if folder not in libraries:  # one library per folder: forget the loaded one, point the loader here
+        folder, isa, arith, threads_on = parse_spec(build)
+        if (folder, threads_on) not in libraries:  # forget the loaded library, point the loader at this folder
             _native._loaded.pop("pnmix_core", None)
             os.environ["PNMIX_LIB_DIR"] = folder
-            libraries[folder] = CoreOps(args.threads)
+            try:
+                libraries[folder, threads_on] = CoreOps(args.threads, torch_threads=threads_on == "torch")
+            except PnMixError as exc:  # another ABI's build: one line
+                parser.error(f"{folder}: {exc}")
 
-        def call(ops=libraries[folder], isa=isa, arith=arith):  # the ISA and arithmetic are process-wide
+        def call(ops=libraries[folder, threads_on], isa=isa, arith=arith):  # the ISA and arithmetic are process-wide
             ops.set_isa(isa)
             ops.set_arith(arith)
             return ops.attend(q, layout, state, n, k_new, v_new)

@@ -62,6 +62,20 @@ def test_core_ab_refuses_a_folder_without_the_library(tmp_path):
     assert "outputs bitwise equal" not in run.stdout
 
 
+@needs_core
+def test_core_ab_times_torch_threads_against_the_pool_and_refuses_other_names():
+    folder = str(find_library("pnmix_core")[0].parent)
+    run = subprocess.run([sys.executable, str(ROOT / "tools" / "core_ab.py"), f"{folder}::fp32:torch",
+                          f"{folder}::fp32:pool", "--context", "1024", "--blocks", "1", "--threads", "1"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert "outputs bitwise equal: True" in run.stdout  # one thread: the same split
+    assert ":fp32:torch: median" in run.stdout and ":fp32:pool: median" in run.stdout
+    run = subprocess.run([sys.executable, str(ROOT / "tools" / "core_ab.py"), f"{folder}::fp32:gpu",
+                          "--context", "1024", "--blocks", "1"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 2 and "THREADS_ON must be torch or pool" in run.stderr
+
+
 @pytest.mark.slow  # builds libpnmix_core once more, with the timers
 @needs_core
 @pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake is not installed")
