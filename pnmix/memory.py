@@ -74,12 +74,16 @@ HUGE_PAGES_SWITCH = "PNMIX_HUGE_PAGES"  # 1 (the default): long-lived host state
 LINE_BYTES = 64  # each tensor starts on a cache line, as torch's own allocator places them
 
 
-def huge_pages_wanted() -> bool:
-    """PNMIX_HUGE_PAGES as a bool (unset: 1); any value but 0 or 1 is a one-line error."""
-    value = os.environ.get(HUGE_PAGES_SWITCH, "1")
+def switch_on(name: str) -> bool:
+    """An on/off environment switch as a bool (unset: 1); any value but 0 or 1 is a one-line error."""
+    value = os.environ.get(name, "1")
     if value not in ("0", "1"):
-        raise PnMixError(f"{HUGE_PAGES_SWITCH} must be 0 or 1, got {value!r}")
+        raise PnMixError(f"{name} must be 0 or 1, got {value!r}")
     return value == "1"
+
+
+def huge_pages_wanted() -> bool:
+    return switch_on(HUGE_PAGES_SWITCH)
 
 
 @functools.lru_cache(maxsize=1)

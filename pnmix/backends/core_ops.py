@@ -19,6 +19,7 @@ import torch
 from ..cache import CacheOps, check_new_kv, check_queries, fp16_kv
 from ..errors import PnMixError
 from ..format import STATE_DTYPES, STATE_NAMES, CacheLayout
+from ..memory import switch_on
 from . import native
 from .native import (INT as _INT, I64 as _I64, PTR as _PTR, CConfig, CLayout, CPagedSequence, CPagedState, CState, c_layout,
                      nbytes as _nbytes, ptr as _ptr)
@@ -150,6 +151,7 @@ def _slot_tensors(slot: Dict[str, torch.Tensor], what: str) -> Dict[str, torch.T
 
 # The OpenMP runtimes a torch build may run its intra-op threads on (in torch's own lib folder).
 OPENMP_RUNTIMES = ("libgomp*", "libiomp5*", "libomp*")
+TORCH_THREADS_SWITCH = "PNMIX_TORCH_THREADS"  # 1 (the default): CoreOps on torch's OpenMP threads; 0: the core's pool
 
 
 @functools.lru_cache(maxsize=None)
@@ -178,15 +180,16 @@ class CoreOps(CacheOps):
     them on an OpenMP runtime (pnmix_openmp_parallel_for): between a model's layers they are awake,
     spinning, and a decode step's attention starts on all of them at once, where the core's own pool
     would wake a helper to share a core with torch's spinning one (docs/BENCHMARKS.md section 2.24).
-    False, or a torch without that runtime: the core's own pool."""
+    None: PNMIX_TORCH_THREADS (unset or 1: yes; 0: no). False, or a torch without that runtime: the
+    core's own pool."""
 
     name = "core"
     checks_kv_values = True  # attend_append rounds and checks the new K/V in its one C call
 
-    def __init__(self, threads: Optional[int] = None, torch_threads: bool = True):
+    def __init__(self, threads: Optional[int] = None, torch_threads: Optional[bool] = None):
         self.lib = core_library()
         self.threads = int(threads or 0)
-        self.torch_threads = bool(torch_threads)
+        self.torch_threads = switch_on(TORCH_THREADS_SWITCH) if torch_threads is None else bool(torch_threads)
         self.team = torch_openmp_team() if self.torch_threads else None
         self.runner = ctypes.cast(self.lib.pnmix_openmp_parallel_for, ctypes.c_void_p).value if self.team else None
 

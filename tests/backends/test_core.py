@@ -4,6 +4,7 @@ Skips with the reason when the library is not built (build: cmake -S plugins -B 
 cmake --build build/dev, or pip install .).
 """
 
+import copy
 import ctypes
 import math
 import os
@@ -559,6 +560,22 @@ def test_attention_on_a_callers_pool_is_bit_identical(ops):
 def _address(function) -> int:
     """A ctypes function's address, as the ABI's runner arguments take it."""
     return ctypes.cast(function, ctypes.c_void_p).value
+
+
+def test_torch_threads_switch(monkeypatch):
+    """CoreOps takes torch's OpenMP team unless told not to (the argument, else PNMIX_TORCH_THREADS);
+    a copy keeps the choice; a bad switch is one line."""
+    team = core_ops.torch_openmp_team()
+    assert CoreOps().team == team and CoreOps(torch_threads=False).team is None
+    monkeypatch.setenv("PNMIX_TORCH_THREADS", "0")
+    ops = CoreOps()
+    assert ops.team is None and ops.runner is None
+    assert CoreOps(torch_threads=True).team == team
+    monkeypatch.setenv("PNMIX_TORCH_THREADS", "1")
+    assert copy.deepcopy(ops).team is None  # made again from its arguments, not from the switch
+    monkeypatch.setenv("PNMIX_TORCH_THREADS", "yes")
+    with pytest.raises(PnMixError, match="PNMIX_TORCH_THREADS must be 0 or 1"):
+        CoreOps()
 
 
 def test_openmp_team_runs_every_item_once_on_its_threads():
