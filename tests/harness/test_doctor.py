@@ -37,7 +37,11 @@ def test_core_line_follows_the_library(report):
     available, why = library_status("pnmix_core")
     assert core["available"] == available
     if available:
+        from pnmix.backends.core_ops import torch_openmp_team
+
         assert "identical" in core["check_detail"]
+        on_torch = torch_openmp_team() is not None  # where CoreOps runs its work (PNMIX_TORCH_THREADS unset)
+        assert core["extra"]["threads"] == ("torch's OpenMP threads" if on_torch else "its own thread pool")
     else:
         assert core["detail"] == why
 
