@@ -205,10 +205,10 @@ def check_core() -> Component:
 
             ops = CoreOps()
             c.extra["kernel"] = ops.isa()
-            threads = "torch's OpenMP threads" if ops.team else "its own thread pool"
+            threads = "torch's OpenMP threads" if ops.team is not None else "its own thread pool"
             c.extra["threads"] = threads
             passed, text = compare_with_reference(ops_factory(lambda: ops, "cpu"), "cpu", TOLERANCE["core"])
-            return passed, f"{text}; kernel {ops.isa()}; work on {threads}"
+            return passed, f"{text}; kernel {ops.isa()}; attention on {threads}"
 
         _run_check(c, check)
     return c

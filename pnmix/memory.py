@@ -75,7 +75,8 @@ LINE_BYTES = 64  # each tensor starts on a cache line, as torch's own allocator 
 
 
 def switch_on(name: str) -> bool:
-    """An on/off environment switch as a bool (unset: 1); any value but 0 or 1 is a one-line error."""
+    """An on/off environment switch as a bool (unset: 1); any value but 0 or 1 is a one-line error.
+    (PNMIX_HUGE_PAGES here; PNMIX_TORCH_THREADS, backends/core_ops.py, reads the same way.)"""
     value = os.environ.get(name, "1")
     if value not in ("0", "1"):
         raise PnMixError(f"{name} must be 0 or 1, got {value!r}")
@@ -83,6 +84,7 @@ def switch_on(name: str) -> bool:
 
 
 def huge_pages_wanted() -> bool:
+    """PNMIX_HUGE_PAGES as a bool (unset: 1); any value but 0 or 1 is a one-line error."""
     return switch_on(HUGE_PAGES_SWITCH)
 
 

@@ -5,9 +5,14 @@
 
 Each folder holds a libpnmix_core.so (e.g. the installed pnmix/lib and a `cmake --build build/dev`
 of a change); ISA (avx2, avx512, avx512vbmi, scalar; default auto) and ARITH (fp32, int8; default
-auto) pick a kernel of that build, so one build's kernels can be compared too (`B:avx2:int8 B:auto:fp32`). The builds run in alternating blocks of five calls (pnmix.bench.timing's
-time_interleaved), so drift of a shared or throttled machine hits both alike; two separate `pnmix bench decode` runs on a virtual machine can
-differ by 15-30%, more than most kernel changes. Prints whether the outputs are bitwise equal and
+auto) pick a kernel of that build, so one build's kernels can be compared too (`B:avx2:int8 B:auto:fp32`);
+THREADS_ON (torch, pool; default torch) where CoreOps runs the work items: torch's OpenMP threads,
+--threads of them as `pnmix bench decode` sets, or the core's own pool (`B::int8:torch B::int8:pool`).
+Before 2026-12-07 (docs/BENCHMARKS.md 2.24) CoreOps, and so this tool, ran on the core's pool alone:
+`:pool` times what the older commands in docs/BENCHMARKS.md timed. The builds run in alternating
+blocks of five calls (pnmix.bench.timing's time_interleaved), so drift of a shared or throttled
+machine hits both alike; two separate `pnmix bench decode` runs on a virtual machine can differ by
+15-30%, more than most kernel changes. Prints whether the outputs are bitwise equal and
 each build's median, 10th percentile and minimum milliseconds per call (batch 1, the default config;
 by default the bench decode shape: 32 query / 8 KV heads, head dim 128, one query).
 --queries N: a prompt's later chunk instead: N queries over the `context` cached tokens, with their
@@ -100,6 +105,8 @@ def main() -> None:
             parser.error(problem)
         if parse_spec(build)[3] not in ("torch", "pool"):
             parser.error(f"{build}: THREADS_ON must be torch or pool")
+    if args.threads < 1:
+        parser.error(f"--threads must be at least 1, got {args.threads}")
     torch.set_num_threads(args.threads)  # the team CoreOps runs on (bench decode sets it alike)
 
     n, nq = args.context, args.queries

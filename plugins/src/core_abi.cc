@@ -87,6 +87,10 @@ int64_t pnmix_core_struct_offset(const char* type, const char* field) {
     PNMIX_FIELD(pnmix_paged_sequence, new_bytes)
     PNMIX_FIELD(pnmix_paged_sequence, out)
     PNMIX_FIELD(pnmix_paged_sequence, out_bytes)
+  } else if (!strcmp(type, "pnmix_openmp_team")) {
+    if (whole) return (int64_t)sizeof(pnmix_openmp_team);
+    PNMIX_FIELD(pnmix_openmp_team, gomp_parallel)
+    PNMIX_FIELD(pnmix_openmp_team, threads)
   }
 #undef PNMIX_FIELD
   return -1;

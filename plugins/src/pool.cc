@@ -11,6 +11,7 @@
 #include <condition_variable>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 namespace pnmix {
@@ -162,30 +163,43 @@ void parallel_for(int threads, int64_t n_items, void (*fn)(void*, int64_t), void
 }  // namespace pnmix
 
 // pnmix_openmp_parallel_for (pnmix_core.h): the items of one call, shared out by a counter among
-// the threads of an OpenMP team. The team runs team_body once per thread and joins before
-// GOMP_parallel returns, so `work` outlives every use of it.
+// the threads of an OpenMP team. GOMP_parallel runs team_body once per thread of the team and joins
+// them before it returns, so `work` outlives every use of it. No exception may unwind through the
+// runtime's C frames: a task that throws marks the call failed.
 namespace {
 struct TeamWork {
   pnmix_task task;
   void* task_ctx;
   int64_t items;
   std::atomic<int64_t> next{0};
+  std::atomic<bool> failed{false};
 };
 
 void team_body(void* data) {
   TeamWork& work = *static_cast<TeamWork*>(data);
-  for (int64_t item = work.next.fetch_add(1); item < work.items; item = work.next.fetch_add(1))
-    work.task(work.task_ctx, item);
+  for (int64_t item = work.next.fetch_add(1); item < work.items; item = work.next.fetch_add(1)) {
+    try {
+      work.task(work.task_ctx, item);
+    } catch (...) {
+      work.failed.store(true);
+    }
+  }
 }
 }  // namespace
 
-extern "C" int pnmix_openmp_parallel_for(void* gomp_parallel, pnmix_task task, void* task_ctx, int64_t items) {
-  if (!gomp_parallel || !task) return -1;
+static_assert(std::is_same<decltype(&pnmix_openmp_parallel_for), pnmix_parallel_for>::value,
+              "pnmix_openmp_parallel_for must be a pnmix_parallel_for");
+
+extern "C" int pnmix_openmp_parallel_for(void* team, pnmix_task task, void* task_ctx, int64_t items) {
+  const pnmix_openmp_team* openmp = static_cast<const pnmix_openmp_team*>(team);
+  if (!openmp || !openmp->gomp_parallel || !task) return -1;
+  if (items <= 0) return 0;
   using GompParallel = void (*)(void (*)(void*), void*, unsigned, unsigned);
   TeamWork work;
   work.task = task;
   work.task_ctx = task_ctx;
   work.items = items;
-  reinterpret_cast<GompParallel>(gomp_parallel)(team_body, &work, 0, 0);  // 0 threads: the team's default size
-  return 0;
+  const unsigned threads = openmp->threads > 0 ? (unsigned)openmp->threads : 0;  // 0: the default size
+  reinterpret_cast<GompParallel>(openmp->gomp_parallel)(team_body, &work, threads, 0);
+  return work.failed.load() ? -1 : 0;
 }

@@ -21,7 +21,8 @@ from ..errors import PnMixError
 from ..format import STATE_DTYPES, STATE_NAMES, CacheLayout
 from ..memory import switch_on
 from . import native
-from .native import (INT as _INT, I64 as _I64, PTR as _PTR, CConfig, CLayout, CPagedSequence, CPagedState, CState, c_layout,
+from .native import (INT as _INT, I64 as _I64, PTR as _PTR, CConfig, CLayout, COpenMPTeam, CPagedSequence, CPagedState, CState,
+                     c_layout,
                      nbytes as _nbytes, ptr as _ptr)
 
 LIBRARY = "pnmix_core"
@@ -41,7 +42,7 @@ _SIGNATURES: native.Signatures = {
                          _PTR], _INT),
     "pnmix_attend_append_on": ([_PTR, _PTR, _I64, _PTR, _INT, _I64, _I64, _I64, _PTR, _PTR, _INT, _I64, _I64, _PTR, _I64,
                                 _INT, _PTR, _PTR], _INT),
-    "pnmix_openmp_parallel_for": ([_PTR, _PTR, _PTR, _I64], _INT),
+    "pnmix_openmp_parallel_for": ([_PTR, _PTR, _PTR, _I64], _INT),  # (team, task, task_ctx, items)
     "pnmix_attend_paged": ([_PTR, _PTR, _I64, _PTR, _INT, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _INT],
                            _INT),
     "pnmix_attend_paged_batch": ([_PTR, _PTR, _I64, _INT, _I64, _INT], _INT),
@@ -59,7 +60,7 @@ _SIGNATURES: native.Signatures = {
     "pnmix_dump_header": ([_PTR, _I64, _PTR, _PTR], _INT),
     "pnmix_dump_read": ([_PTR, _I64, _PTR, _PTR, _PTR], _INT),
 }
-__all__ = ["CConfig", "CLayout", "CPagedSequence", "CPagedState", "CState", "CoreOps", "c_layout", "c_state", "check", "core_library",
+__all__ = ["CConfig", "CLayout", "COpenMPTeam", "CPagedSequence", "CPagedState", "CState", "CoreOps", "c_layout", "c_state", "check", "core_library",
            "dump_state", "group_sections", "load_state"]
 
 # The tensors of a paged sequence's slot (pnmix_paged_state): everything but the group tensors.
@@ -149,26 +150,22 @@ def _slot_tensors(slot: Dict[str, torch.Tensor], what: str) -> Dict[str, torch.T
     return {name: slot[name] for name in SLOT_TENSORS}
 
 
-# The OpenMP runtimes a torch build may run its intra-op threads on (in torch's own lib folder).
-OPENMP_RUNTIMES = ("libgomp*", "libiomp5*", "libomp*")
 TORCH_THREADS_SWITCH = "PNMIX_TORCH_THREADS"  # 1 (the default): CoreOps on torch's OpenMP threads; 0: the core's pool
 
 
 @functools.lru_cache(maxsize=None)
-def torch_openmp_team() -> Optional[int]:
-    """The address of GOMP_parallel in the OpenMP runtime that runs torch's intra-op threads, or
-    None: torch on another threading backend, or its runtime not loaded from torch's lib folder
-    (only a runtime already loaded is taken: loading a second one would start a second team)."""
-    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+def torch_gomp_parallel() -> Optional[int]:
+    """The address of GOMP_parallel in the OpenMP runtime torch's intra-op threads run on, or None
+    (torch on another threading backend). The symbol is looked up through torch's own CPU library,
+    already loaded, so that its dependency order gives the runtime torch is linked against
+    (libgomp in the Linux wheels, libomp on macOS, libiomp5 in some conda builds); never a second one."""
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info() or not hasattr(os, "RTLD_NOLOAD"):
         return None
-    folder = Path(torch.__file__).parent / "lib"
-    for pattern in OPENMP_RUNTIMES:
-        for path in sorted(folder.glob(pattern)):
-            try:
-                runtime = ctypes.CDLL(str(path), mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-                return ctypes.cast(runtime.GOMP_parallel, ctypes.c_void_p).value
-            except (OSError, AttributeError):  # not loaded, or not an OpenMP runtime after all
-                continue
+    for path in sorted((Path(torch.__file__).parent / "lib").glob("libtorch_cpu.*")):
+        try:
+            return native.address(ctypes.CDLL(str(path), mode=os.RTLD_NOLOAD | os.RTLD_LAZY).GOMP_parallel)
+        except (OSError, AttributeError):  # not the library torch loaded, or no OpenMP runtime behind it
+            continue
     return None
 
 
@@ -176,29 +173,37 @@ class CoreOps(CacheOps):
     """append / attend through libpnmix_core. threads: None or <= 0 uses every core (on torch's
     threads: torch.get_num_threads()).
 
-    torch_threads: run the attention's work items on torch's intra-op threads where torch runs
-    them on an OpenMP runtime (pnmix_openmp_parallel_for): between a model's layers they are awake,
-    spinning, and a decode step's attention starts on all of them at once, where the core's own pool
-    would wake a helper to share a core with torch's spinning one (docs/BENCHMARKS.md section 2.24).
-    None: PNMIX_TORCH_THREADS (unset or 1: yes; 0: no). False, or a torch without that runtime: the
-    core's own pool."""
+    torch_threads: run the work items of attend and attend_append on torch's intra-op threads where
+    torch runs them on an OpenMP runtime (pnmix_openmp_parallel_for): between a model's layers they
+    are awake, spinning, and a decode step's attention starts on all of them at once, where the
+    core's own pool would wake a helper to share a core with torch's spinning one (docs/BENCHMARKS.md
+    section 2.24). None: PNMIX_TORCH_THREADS (unset or 1: yes; 0: no), read when the ops are made (a
+    copy of a cache reads it again). False, or a torch without that runtime: the core's own pool,
+    which also serves the appends' group flushes and the paged calls."""
 
     name = "core"
     checks_kv_values = True  # attend_append rounds and checks the new K/V in its one C call
 
     def __init__(self, threads: Optional[int] = None, torch_threads: Optional[bool] = None):
         self.lib = core_library()
-        self.threads = int(threads or 0)
-        self.torch_threads = switch_on(TORCH_THREADS_SWITCH) if torch_threads is None else bool(torch_threads)
-        self.team = torch_openmp_team() if self.torch_threads else None
-        self.runner = ctypes.cast(self.lib.pnmix_openmp_parallel_for, ctypes.c_void_p).value if self.team else None
+        self.threads = max(int(threads or 0), 0)
+        self.torch_threads = torch_threads  # as given: a copy re-reads the switch where it runs
+        on_torch = switch_on(TORCH_THREADS_SWITCH) if torch_threads is None else bool(torch_threads)
+        gomp_parallel = torch_gomp_parallel() if on_torch else None
+        # the team: torch's default size, or `threads` (split and team alike)
+        self.team = COpenMPTeam(gomp_parallel, self.threads) if gomp_parallel else None
+        self.runner = native.address(self.lib.pnmix_openmp_parallel_for) if self.team is not None else None
+        self.team_address = ctypes.addressof(self.team) if self.team is not None else None  # the runner's context
 
     def init_args(self) -> tuple:
         return (self.threads, self.torch_threads)
 
     def _threads(self) -> int:
-        """The threads a call's work is split for: on torch's threads, as many as torch uses."""
-        return self.threads or (torch.get_num_threads() if self.team else 0)
+        """The threads a call's work is split for: on torch's threads, the team's size."""
+        if self.team is None:
+            return self.threads
+        default = torch.get_num_threads()  # also sets up torch's threads on a thread that never used them
+        return self.threads or default
 
     def append(self, layout, state, seq_len, k, v):
         check_new_kv(layout, k, v)
@@ -219,7 +224,7 @@ class CoreOps(CacheOps):
         check(self.lib, self.lib.pnmix_attend_on(
             ctypes.byref(lay), ctypes.byref(st), seq_len, _ptr(q), int(q.dtype == torch.float32), q.shape[1],
             q.shape[2], _nbytes(q), _ptr(k_new), _ptr(v_new), 0 if k_new is None else k_new.shape[2],
-            _nbytes(k_new), _ptr(out), _nbytes(out), self._threads(), self.runner, self.team))
+            _nbytes(k_new), _ptr(out), _nbytes(out), self._threads(), self.runner, self.team_address))
         return out
 
     def attend_append(self, q, layout, state, seq_len, k, v):
@@ -236,7 +241,7 @@ class CoreOps(CacheOps):
         status = self.lib.pnmix_attend_append_on(
             ctypes.byref(lay), ctypes.byref(st), seq_len, _ptr(q), int(q.dtype == torch.float32), q.shape[1],
             q.shape[2], _nbytes(q), _ptr(k), _ptr(v), int(k.dtype == torch.float32), k.shape[2], _nbytes(k),
-            _ptr(out), _nbytes(out), self._threads(), self.runner, self.team)
+            _ptr(out), _nbytes(out), self._threads(), self.runner, self.team_address)
         if status:  # the values are the C call's first check: fp16_kv names the tensor and its tokens
             fp16_kv(k, v, k.device, seq_len)
         check(self.lib, status)

@@ -49,6 +49,13 @@ class CPagedState(ctypes.Structure):
                 ("sink_bytes", I64), ("residual_bytes", I64), ("mask_bytes", I64)]
 
 
+class COpenMPTeam(ctypes.Structure):
+    """pnmix_openmp_team (pnmix_core.h): an OpenMP runtime's GOMP_parallel and the team's size
+    (<= 0: the runtime's default)."""
+
+    _fields_ = [("gomp_parallel", PTR), ("threads", ctypes.c_int32)]
+
+
 class CPagedSequence(ctypes.Structure):
     """pnmix_paged_sequence (pnmix_core.h): one sequence of a batched paged attention."""
 
@@ -105,6 +112,11 @@ def layout_from_c(lay: CLayout) -> CacheLayout:
     fields = {name: getattr(lay.config, name) for name in CONFIG_FIELDS}
     fields["pair_layout"] = PAIR_LAYOUTS[fields["pair_layout"]]
     return CacheLayout(PnMixConfig(**fields), lay.batch, lay.kv_heads, lay.head_dim, lay.max_seq_len)
+
+
+def address(function) -> Optional[int]:
+    """A ctypes function's address, as the ABIs' pointer arguments take it (None for a null one)."""
+    return ctypes.cast(function, ctypes.c_void_p).value
 
 
 def ptr(t: Optional[torch.Tensor]) -> Optional[int]:

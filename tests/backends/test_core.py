@@ -9,7 +9,6 @@ import ctypes
 import math
 import os
 import threading
-import time
 
 import pytest
 import torch
@@ -29,7 +28,7 @@ available, reason = library_status("pnmix_core")
 if not available:
     pytest.skip(f"libpnmix_core not available: {reason}", allow_module_level=True)
 
-from pnmix.backends import core_ops  # noqa: E402  (needs the library)
+from pnmix.backends import core_ops, native  # noqa: E402  (needs the library)
 from pnmix.backends.core_ops import CoreOps  # noqa: E402
 
 CONFIGS = {
@@ -71,7 +70,8 @@ def test_ctypes_structs_match_the_compiled_c_structs():
     assert [name for name, _ in core_ops.CConfig._fields_] == list(CONFIG_FIELDS)
     for struct, c_name in ((core_ops.CConfig, b"pnmix_config"), (core_ops.CLayout, b"pnmix_layout"),
                            (core_ops.CState, b"pnmix_state"), (core_ops.CPagedState, b"pnmix_paged_state"),
-                           (core_ops.CPagedSequence, b"pnmix_paged_sequence")):
+                           (core_ops.CPagedSequence, b"pnmix_paged_sequence"),
+                           (core_ops.COpenMPTeam, b"pnmix_openmp_team")):
         assert lib.pnmix_core_struct_offset(c_name, None) == ctypes.sizeof(struct), c_name
         for name, _ in struct._fields_:
             assert lib.pnmix_core_struct_offset(c_name, name.encode()) == getattr(struct, name).offset, (c_name, name)
@@ -539,70 +539,84 @@ def test_attention_on_a_callers_pool_is_bit_identical(ops):
         return 0
 
     runner = RUNNER(backwards)
-    assert attend_on(*args, got.data_ptr(), got.numel() * 4, 4, _address(runner), None) == 0
+    assert attend_on(*args, got.data_ptr(), got.numel() * 4, 4, native.address(runner), None) == 0
     assert len(ran) > 4 and sorted(ran) == list(range(len(ran)))  # split for 4 threads, each item once
     assert torch.equal(got, want)
     failing = RUNNER(lambda *a: 1)
-    code, message = _error(lib, attend_on(*args, got.data_ptr(), got.numel() * 4, 4, _address(failing), None))
+    code, message = _error(lib, attend_on(*args, got.data_ptr(), got.numel() * 4, 4, native.address(failing), None))
     assert code == 6 and "parallel-for" in message
     # null runner: the core's own pool
     got.fill_(float("nan"))
     assert attend_on(*args, got.data_ptr(), got.numel() * 4, 4, None, None) == 0 and torch.equal(got, want)
     # torch's OpenMP team (pnmix_openmp_parallel_for): the same split, so the same bits
-    if core_ops.torch_openmp_team() is not None:
+    gomp_parallel = core_ops.torch_gomp_parallel()
+    if gomp_parallel is not None:
         got.fill_(float("nan"))
-        team = (_address(lib.pnmix_openmp_parallel_for), core_ops.torch_openmp_team())
-        assert attend_on(*args, got.data_ptr(), got.numel() * 4, 4, *team) == 0 and torch.equal(got, want)
-        code, message = _error(lib, attend_on(*args, got.data_ptr(), got.numel() * 4, 4, team[0], None))
-        assert code == 6 and "parallel-for" in message  # no GOMP_parallel: nothing run, one error line
-
-
-def _address(function) -> int:
-    """A ctypes function's address, as the ABI's runner arguments take it."""
-    return ctypes.cast(function, ctypes.c_void_p).value
+        runner, team = native.address(lib.pnmix_openmp_parallel_for), core_ops.COpenMPTeam(gomp_parallel, 2)
+        assert attend_on(*args, got.data_ptr(), got.numel() * 4, 4, runner, ctypes.addressof(team)) == 0
+        assert torch.equal(got, want)
+        empty = core_ops.COpenMPTeam(None, 2)  # no GOMP_parallel: nothing run, one error line
+        code, message = _error(lib, attend_on(*args, got.data_ptr(), got.numel() * 4, 4, runner, ctypes.addressof(empty)))
+        assert code == 6 and "parallel-for" in message
 
 
 def test_torch_threads_switch(monkeypatch):
-    """CoreOps takes torch's OpenMP team unless told not to (the argument, else PNMIX_TORCH_THREADS);
-    a copy keeps the choice; a bad switch is one line."""
-    team = core_ops.torch_openmp_team()
-    assert CoreOps().team == team and CoreOps(torch_threads=False).team is None
+    """CoreOps takes torch's OpenMP team unless told not to (the argument, else PNMIX_TORCH_THREADS,
+    read where the ops are made: a copy reads it again); a bad switch is one line."""
+    monkeypatch.delenv("PNMIX_TORCH_THREADS", raising=False)
+    gomp_parallel = core_ops.torch_gomp_parallel()
+
+    def on_team(ops: CoreOps) -> bool:
+        assert (ops.team is None) == (ops.runner is None) == (ops.team_address is None)
+        return ops.team is not None
+
+    assert on_team(CoreOps()) == (gomp_parallel is not None) and not on_team(CoreOps(torch_threads=False))
+    if gomp_parallel is not None:
+        assert CoreOps().team.gomp_parallel == gomp_parallel and CoreOps(3).team.threads == 3
     monkeypatch.setenv("PNMIX_TORCH_THREADS", "0")
     ops = CoreOps()
-    assert ops.team is None and ops.runner is None
-    assert CoreOps(torch_threads=True).team == team
+    assert not on_team(ops) and on_team(CoreOps(torch_threads=True)) == (gomp_parallel is not None)
     monkeypatch.setenv("PNMIX_TORCH_THREADS", "1")
-    assert copy.deepcopy(ops).team is None  # made again from its arguments, not from the switch
+    assert on_team(copy.deepcopy(ops)) == (gomp_parallel is not None)  # the switch where the copy is made
+    assert not on_team(copy.deepcopy(CoreOps(torch_threads=False)))  # an argument travels with the copy
     monkeypatch.setenv("PNMIX_TORCH_THREADS", "yes")
     with pytest.raises(PnMixError, match="PNMIX_TORCH_THREADS must be 0 or 1"):
         CoreOps()
 
 
 def test_openmp_team_runs_every_item_once_on_its_threads():
-    """pnmix_openmp_parallel_for shares the items out among the threads of the OpenMP team whose
-    GOMP_parallel it is given: every item runs exactly once, on more than one thread where the
-    team has several."""
-    team = core_ops.torch_openmp_team()
-    if team is None:
-        pytest.skip("torch's intra-op threads are not on an OpenMP runtime in its lib folder")
+    """pnmix_openmp_parallel_for shares the items out among the threads of an OpenMP team: every
+    item runs exactly once, on more than one thread where the team has several; a null team or task
+    runs nothing."""
+    gomp_parallel = core_ops.torch_gomp_parallel()
+    if gomp_parallel is None:
+        pytest.skip("torch's intra-op threads are not on an OpenMP runtime")
     lib = core_ops.core_library()
-    seen, threads = [], set()
+    seen, threads, other_thread = [], set(), threading.Event()
+    first = []
 
     def task(ctx, item):
         seen.append(item)
-        threads.add(threading.get_native_id())
-        time.sleep(0.001)  # long enough for every thread of the team to take an item
+        me = threading.get_native_id()
+        threads.add(me)
+        if not first:
+            first.append(me)
+            other_thread.wait(timeout=10)  # until another thread of the team has taken an item
+        elif me != first[0]:
+            other_thread.set()
 
     callback = TASK(task)
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        assert lib.pnmix_openmp_parallel_for(team, _address(callback), None, 40) == 0
-    finally:
-        torch.set_num_threads(before)
+    team = core_ops.COpenMPTeam(gomp_parallel, 2)
+    assert lib.pnmix_openmp_parallel_for(ctypes.addressof(team), native.address(callback), None, 40) == 0
     assert sorted(seen) == list(range(40))
-    assert len(threads) == 2
-    assert lib.pnmix_openmp_parallel_for(None, _address(callback), None, 4) == -1
+    assert other_thread.is_set() and len(threads) == 2
+    seen.clear()
+    assert lib.pnmix_openmp_parallel_for(None, native.address(callback), None, 4) == -1
+    empty = core_ops.COpenMPTeam(None, 2)
+    assert lib.pnmix_openmp_parallel_for(ctypes.addressof(empty), native.address(callback), None, 4) == -1
+    assert lib.pnmix_openmp_parallel_for(ctypes.addressof(team), None, None, 4) == -1
+    assert lib.pnmix_openmp_parallel_for(ctypes.addressof(team), native.address(callback), None, 0) == 0
+    assert seen == []
 
 
 def test_capacity_and_config_errors(abi, ops):
@@ -852,7 +866,7 @@ if cores != "all":
     os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
 torch.set_num_threads(1)  # torch's own pool out of the count
 lay = CacheLayout(PnMixConfig(), 1, 8, 128, 8192)
-ops = CoreOps()  # threads=0: every core the thread may use
+ops = CoreOps(torch_threads=False)  # the core's own pool; threads=0: every core the thread may use
 state = lay.empty_state()
 k, v = make_random_kv(1, 8, 8192, 128, seed=1)
 q = torch.randn(1, 32, 1, 128)

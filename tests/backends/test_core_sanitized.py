@@ -46,7 +46,8 @@ def sanitized_library(tmp_path_factory, core_variant) -> Path:
 
 
 def run_sanitized(folder: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PNMIX_LIB_DIR": str(folder), "LD_PRELOAD": str(RUNTIME),
+    # PYTHONPATH: the pnmix of this checkout, as the library is built from it, not an installed one
+    env = {**os.environ, "PNMIX_LIB_DIR": str(folder), "LD_PRELOAD": str(RUNTIME), "PYTHONPATH": str(ROOT),
            # Python's own allocations are not the subject (leaks); the first bad access stops the run.
            # torch's pages, not the huge-page mapping, which the sanitizer does not track
            "ASAN_OPTIONS": "detect_leaks=0:halt_on_error=1", "PNMIX_HUGE_PAGES": "0"}

@@ -37,10 +37,10 @@ def test_core_line_follows_the_library(report):
     available, why = library_status("pnmix_core")
     assert core["available"] == available
     if available:
-        from pnmix.backends.core_ops import torch_openmp_team
+        from pnmix.backends.core_ops import CoreOps
 
         assert "identical" in core["check_detail"]
-        on_torch = torch_openmp_team() is not None  # where CoreOps runs its work (PNMIX_TORCH_THREADS unset)
+        on_torch = CoreOps().team is not None  # where CoreOps runs its attention (PNMIX_TORCH_THREADS as set)
         assert core["extra"]["threads"] == ("torch's OpenMP threads" if on_torch else "its own thread pool")
     else:
         assert core["detail"] == why

@@ -32,7 +32,9 @@ def make_ops(name):
         pytest.skip(f"libpnmix_core not available: {reason}")
     from pnmix.backends.core_ops import CoreOps
 
-    return CoreOps()
+    # The paged calls run on the core's own pool; the contiguous calls they are compared with bit
+    # for bit must split their work alike, so they take it too (not torch's threads).
+    return CoreOps(torch_threads=False)
 
 
 def shuffled_blocks(count: int, num_blocks: int, seed: int) -> torch.Tensor:

@@ -58,7 +58,7 @@ PNMIX_API const char* pnmix_last_error(void);
 PNMIX_API int64_t pnmix_core_limit(const char* name);
 
 /* The compiled layout of the ABI's structs: offsetof(type, field) for a field of "pnmix_config",
- * "pnmix_layout", "pnmix_state", "pnmix_paged_state" or "pnmix_paged_sequence", sizeof(type) when field is null or ""; -1 for an unknown name.
+ * "pnmix_layout", "pnmix_state", "pnmix_paged_state", "pnmix_paged_sequence" or "pnmix_openmp_team", sizeof(type) when field is null or ""; -1 for an unknown name.
  * Lets a binding (pnmix/backends/native.py) check its mirror against what the compiler made. */
 PNMIX_API int64_t pnmix_core_struct_offset(const char* type, const char* field);
 
@@ -181,17 +181,26 @@ PNMIX_API int pnmix_attend_append_on(const pnmix_layout* layout, pnmix_state* st
                                      const void* v_new, int new_is_fp32, int64_t n_new, int64_t new_bytes, float* out,
                                      int64_t out_bytes, int threads, pnmix_parallel_for runner, void* runner_ctx);
 
-/* A pnmix_parallel_for on an OpenMP runtime's thread team: runner_ctx is the address of that
- * runtime's GOMP_parallel (GCC libgomp's entry point, which LLVM's libomp and Intel's libiomp5
+/* An OpenMP runtime's thread team, for pnmix_openmp_parallel_for: gomp_parallel is the address of
+ * that runtime's GOMP_parallel (GCC libgomp's entry point, which LLVM's libomp and Intel's libiomp5
  * provide too: void GOMP_parallel(void (*fn)(void*), void* data, unsigned num_threads,
- * unsigned flags)). The team is the runtime's default for the calling thread (omp_get_max_threads);
- * its threads take the items one at a time, so any team size runs them all. A framework whose
- * intra-op threads are that team (PyTorch's CPU builds) keeps them spinning for a while after each
- * of its own kernels: a decode step's attention, called between two of them, starts on every
- * thread at once, where the core's own pool would wake a sleeping helper (tens of microseconds in a
- * virtual machine) to share a core with the framework's spinning one. Returns -1 (nothing run) when
- * runner_ctx is null. */
-PNMIX_API int pnmix_openmp_parallel_for(void* gomp_parallel, pnmix_task task, void* task_ctx, int64_t items);
+ * unsigned flags)); threads the team's size (<= 0: the runtime's default for the calling thread,
+ * omp_get_max_threads). */
+typedef struct pnmix_openmp_team {
+  void* gomp_parallel;
+  int32_t threads;
+} pnmix_openmp_team;
+
+/* A pnmix_parallel_for on an OpenMP team: runner_ctx is a pnmix_openmp_team. Its threads take the
+ * items one at a time, so a team of any size runs them all. A framework whose intra-op threads are
+ * that team (PyTorch's CPU builds) keeps them spinning for a while after each of its own kernels: a
+ * decode step's attention, called between two of them, starts on every thread at once, where the
+ * core's own pool would wake a sleeping helper (tens of microseconds in a virtual machine) to share
+ * a core with the framework's spinning one. Called inside an active parallel region the team is
+ * the calling thread alone (OpenMP's nesting default), and from another host thread that thread's
+ * own team: the items still all run. Returns -1 when team, its gomp_parallel or task is null, or
+ * when a task threw (the other items still ran); 0 otherwise. */
+PNMIX_API int pnmix_openmp_parallel_for(void* team, pnmix_task task, void* task_ctx, int64_t items);
 
 /* The attention kernel in use: "avx512vbmi", "avx512", "avx2" or "scalar" (chosen at run time from
  * cpuid; groups whose size is not a multiple of 16 use "avx2" in place of the AVX-512 kernels). With
