@@ -571,9 +571,9 @@ int fp16_new_kv(const void* src, bool is_fp32, int64_t count, std::vector<uint16
     for (int64_t i = 0; i < count; ++i) rounded[i] = float_to_half(f[i]);
     h = rounded;
   }
-  bool infinite_or_nan = false;  // exponent all ones
-  for (int64_t i = 0; i < count; ++i) infinite_or_nan |= (h[i] & 0x7c00u) == 0x7c00u;
-  if (infinite_or_nan)
+  bool finite = true;
+  for (int64_t i = 0; i < count; ++i) finite &= half_is_finite(h[i]);
+  if (!finite)
     return fail(PNMIX_ERR_VALUE, "new %s hold a value that is not finite in fp16 (NaN, Inf, or a magnitude of 65520 or more)",
                 what);
   *out = h;

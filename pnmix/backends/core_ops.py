@@ -202,8 +202,8 @@ class CoreOps(CacheOps):
         """The threads a call's work is split for: on torch's threads, the team's size."""
         if self.team is None:
             return self.threads
-        default = torch.get_num_threads()  # also sets up torch's threads on a thread that never used them
-        return self.threads or default
+        torch_threads = torch.get_num_threads()  # called always: it sets up torch's threads on a new thread
+        return self.threads or torch_threads
 
     def append(self, layout, state, seq_len, k, v):
         check_new_kv(layout, k, v)

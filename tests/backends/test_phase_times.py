@@ -65,11 +65,12 @@ def test_core_ab_refuses_a_folder_without_the_library(tmp_path):
 @needs_core
 def test_core_ab_times_torch_threads_against_the_pool_and_refuses_other_names():
     folder = str(find_library("pnmix_core")[0].parent)
+    # 8K tokens of the bench shape (4.8 MB): two threads by either rule, so the same split and bits
     run = subprocess.run([sys.executable, str(ROOT / "tools" / "core_ab.py"), f"{folder}::fp32:torch",
-                          f"{folder}::fp32:pool", "--context", "1024", "--blocks", "1", "--threads", "1"],
+                          f"{folder}::fp32:pool", "--context", "8192", "--blocks", "1", "--threads", "2"],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
-    assert "outputs bitwise equal: True" in run.stdout  # one thread: the same split
+    assert "outputs bitwise equal: True" in run.stdout
     assert ":fp32:torch: median" in run.stdout and ":fp32:pool: median" in run.stdout
     run = subprocess.run([sys.executable, str(ROOT / "tools" / "core_ab.py"), f"{folder}::fp32:gpu",
                           "--context", "1024", "--blocks", "1"], capture_output=True, text=True, timeout=600)

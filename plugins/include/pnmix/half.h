@@ -83,6 +83,9 @@ PNMIX_HD inline uint16_t float_to_half_saturating(float f) {
   return float_to_half(f);
 }
 
+// Whether fp16 bits hold a finite value (the exponent field is not all ones: Inf and NaN).
+PNMIX_HD inline bool half_is_finite(uint16_t h) { return (h & 0x7c00u) != 0x7c00u; }
+
 }  // namespace pnmix
 
 #endif  // PNMIX_HALF_H
