@@ -98,6 +98,12 @@ def c_state(state: Dict[str, torch.Tensor]) -> CState:
     return native.c_state(state, _on_cpu)
 
 
+def _call_structs(layout: CacheLayout, state: Dict[str, torch.Tensor]) -> tuple:
+    """byref of the layout's and the (checked) state's shared structs, for a call that only reads
+    them: a decode step makes 30 such calls, and copies of the structs cost each one a few us."""
+    return ctypes.byref(native.layout_struct(layout)), ctypes.byref(native.state_struct(state, _on_cpu))
+
+
 def _fp16(t: torch.Tensor, what: str) -> torch.Tensor:
     if _cpu_only(t, what).dtype == torch.float16 and t.is_contiguous():
         return t  # what the caches hand over: no tensor op (a decode step makes these per layer)
@@ -220,9 +226,9 @@ class CoreOps(CacheOps):
         else:
             k_new = v_new = None
         out = _output(q)
-        lay, st = c_layout(layout), c_state(state)
+        lay, st = _call_structs(layout, state)
         check(self.lib, self.lib.pnmix_attend_on(
-            ctypes.byref(lay), ctypes.byref(st), seq_len, _ptr(q), int(q.dtype == torch.float32), q.shape[1],
+            lay, st, seq_len, _ptr(q), int(q.dtype == torch.float32), q.shape[1],
             q.shape[2], _nbytes(q), _ptr(k_new), _ptr(v_new), 0 if k_new is None else k_new.shape[2],
             _nbytes(k_new), _ptr(out), _nbytes(out), self._threads(), self.runner, self.team_address))
         return out
@@ -237,11 +243,13 @@ class CoreOps(CacheOps):
         if k.dtype != v.dtype:
             k, v = k.float(), v.float()
         out = _output(q)
-        lay, st = c_layout(layout), c_state(state)
+        lay, st = _call_structs(layout, state)
+        _, q_heads, nq, _ = q.shape
+        # (k, v and out hold elements here: their data_ptr and nbytes, without _ptr's and _nbytes' cases)
         status = self.lib.pnmix_attend_append_on(
-            ctypes.byref(lay), ctypes.byref(st), seq_len, _ptr(q), int(q.dtype == torch.float32), q.shape[1],
-            q.shape[2], _nbytes(q), _ptr(k), _ptr(v), int(k.dtype == torch.float32), k.shape[2], _nbytes(k),
-            _ptr(out), _nbytes(out), self._threads(), self.runner, self.team_address)
+            lay, st, seq_len, _ptr(q), int(q.dtype == torch.float32), q_heads, nq, q.nbytes, k.data_ptr(),
+            v.data_ptr(), int(k.dtype == torch.float32), k.shape[2], k.nbytes, out.data_ptr(), out.nbytes,
+            self._threads(), self.runner, self.team_address)
         if status:  # the values are the C call's first check: fp16_kv names the tensor and its tokens
             fp16_kv(k, v, k.device, seq_len)
         check(self.lib, status)

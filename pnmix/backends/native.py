@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import weakref
 from typing import Dict, Mapping, Optional, Sequence, Tuple, Type
 
 import torch
@@ -97,7 +98,23 @@ def check_status(status: int, what: str, last_error) -> None:
 def c_layout(layout: CacheLayout) -> CLayout:
     """The C struct of a layout: built once per layout (layouts are frozen), copied per call so
     the caller may change its own."""
-    return CLayout.from_buffer_copy(_built_layout(layout))
+    return CLayout.from_buffer_copy(layout_struct(layout))
+
+
+# The struct of each layout object a call has passed (by id, the layout kept: its id stays its own):
+# a decode step's calls find it without hashing the layout's fields (30 layers a step).
+_layout_structs: Dict[int, Tuple[CacheLayout, CLayout]] = {}
+_MAX_LAYOUT_STRUCTS = 4096
+
+
+def layout_struct(layout: CacheLayout) -> CLayout:
+    """The shared C struct of a layout, for a call that only reads it (c_layout: a copy to change)."""
+    known = _layout_structs.get(id(layout))
+    if known is None or known[0] is not layout:
+        if len(_layout_structs) >= _MAX_LAYOUT_STRUCTS:
+            _layout_structs.clear()
+        known = _layout_structs[id(layout)] = (layout, _built_layout(layout))
+    return known[1]
 
 
 @functools.lru_cache(maxsize=256)
@@ -127,33 +144,41 @@ def nbytes(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
-# The CState built for each state dict (by id), with what it was built from: a decode loop hands
-# the same tensors every step, so the checks run once per set of buffers, not once per call.
+# The CState built for each state dict (by id), with weak references to the tensors it was built
+# from: a decode loop hands the same tensors every step, so the checks run once per set of buffers,
+# not once per call (30 layers a step). A tensor object keeps its memory, size and dtype for life
+# unless it is re-pointed in place (set_, resize_), which no pn-mix cache does to its state: a
+# cache that changes its state replaces the tensors. Its own tensors still alive is then what
+# makes a struct right for a state, and it is checked without a call into torch (a decode step's
+# layers find torch's code and objects out of the caches: each such call costs microseconds).
 _checked_states: Dict[int, tuple] = {}
 _MAX_CHECKED_STATES = 4096  # layers x live caches; forgotten all at once past this
 
 
-def _state_key(state: Dict[str, torch.Tensor], device_problem) -> tuple:
-    # the same tensor objects (alive: the dict holds them) over the same memory, size and dtype
-    return (device_problem,) + tuple(
-        (id(t), t.data_ptr(), t.numel(), t.dtype) if (t := state.get(name)) is not None else None
-        for name in STATE_NAMES)
-
-
 def c_state(state: Dict[str, torch.Tensor], device_problem) -> CState:
     """The state tensors as C buffers, each contiguous and of the format's dtype (checked here; a
-    repeat call with the same buffers reuses the checked struct).
+    repeat call with the same tensors reuses the checked struct).
 
     device_problem(name, tensor): None when the tensor is on the device the library needs, else
     the one-line message saying where it is."""
-    key = _state_key(state, device_problem)
+    return CState.from_buffer_copy(state_struct(state, device_problem))  # a copy: the caller may change its own
+
+
+def state_struct(state: Dict[str, torch.Tensor], device_problem) -> CState:
+    """c_state's checked struct itself, shared, for a call that only reads it."""
     known = _checked_states.get(id(state))
-    if known is None or known[0] != key:
-        known = (key, _checked_c_state(state, device_problem))
+    if known is None or known[0] is not device_problem or not _built_from(known[1], state):
+        struct = _checked_c_state(state, device_problem)  # raises before anything is kept
+        known = (device_problem, tuple(weakref.ref(state[name]) for name in STATE_NAMES), struct)
         if len(_checked_states) >= _MAX_CHECKED_STATES:
             _checked_states.clear()
         _checked_states[id(state)] = known
-    return CState.from_buffer_copy(known[1])  # a copy: the caller may change its own
+    return known[2]
+
+
+def _built_from(tensors: tuple, state: Dict[str, torch.Tensor]) -> bool:
+    """Whether state holds exactly the (live) tensor objects a struct was built from."""
+    return all(ref() is state.get(name) for ref, name in zip(tensors, STATE_NAMES))
 
 
 def _checked_c_state(state: Dict[str, torch.Tensor], device_problem) -> CState:

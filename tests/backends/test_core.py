@@ -399,6 +399,27 @@ def _error(lib, status):
     return status, message
 
 
+def test_a_calls_structs_are_built_once_and_again_when_a_tensor_is_replaced():
+    layout = CacheLayout(CONFIGS["manifest"], 1, 2, 32, 400)
+    state = layout.empty_state()
+    shared = native.state_struct(state, core_ops._on_cpu)
+    assert native.state_struct(state, core_ops._on_cpu) is shared  # a decode step's calls: no checks, no copy
+    copy_ = core_ops.c_state(state)
+    assert copy_ is not shared and bytes(copy_) == bytes(shared)  # c_state: a copy the caller may change
+    name = STATE_NAMES[0]
+    state[name] = state[name].clone()  # a cache that changes its state replaces the tensor
+    rebuilt = native.state_struct(state, core_ops._on_cpu)
+    assert rebuilt is not shared and rebuilt.data[0] == state[name].data_ptr()
+    state[name] = state[name].double()  # the replacement is checked before any struct is kept
+    with pytest.raises(PnMixError, match=f"'{name}' must be a contiguous"):
+        native.state_struct(state, core_ops._on_cpu)
+    with pytest.raises(PnMixError, match=f"'{name}' must be a contiguous"):
+        native.state_struct(state, core_ops._on_cpu)  # refused again, not found in a cache
+    assert native.layout_struct(layout) is native.layout_struct(layout)
+    other = CacheLayout(CONFIGS["manifest"], 1, 2, 32, 800)
+    assert native.layout_struct(other).max_seq_len == 800 and native.layout_struct(layout).max_seq_len == 400
+
+
 def test_null_pointers_rejected(abi):
     lib, layout, lay, state, st = abi
     k, v = make_random_kv(1, 2, 4, 32, seed=0)

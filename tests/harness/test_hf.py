@@ -288,6 +288,23 @@ def test_rewind_and_crop_into_the_prefill_are_refused(model):
         cache.crop(-1)  # not recording the past: the prefill's keys are gone (tests/harness/test_hf_cache_crop.py)
 
 
+def test_positions_found_right_are_checked_again_when_changed_in_place_or_at_another_length():
+    from types import SimpleNamespace
+
+    from pnmix.hf.cache import PnMixLayer
+
+    layer = SimpleNamespace(layer_idx=3)
+    positions = torch.arange(5, 8).unsqueeze(0)
+    for _ in range(2):  # the step's first layer checks; the others find it checked
+        PnMixLayer._check_positions(layer, {"position_ids": positions}, 5)
+    with pytest.raises(PnMixError, match="start at 5 but the cache holds 6 tokens of layer 3"):
+        PnMixLayer._check_positions(layer, {"position_ids": positions}, 6)
+    PnMixLayer._check_positions(layer, {"position_ids": positions}, 5)
+    positions.add_(1)  # the same tensor, changed in place
+    with pytest.raises(PnMixError, match="start at 6 but the cache holds 5 tokens"):
+        PnMixLayer._check_positions(layer, {"position_ids": positions}, 5)
+
+
 # ---- the pnmix attention without a PnMixCache -------------------------------------------------
 def test_pnmix_attention_without_pnmix_cache_is_sdpa(model):
     ids = tokens(50, batch=2, seed=8)
