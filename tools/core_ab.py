@@ -2,6 +2,7 @@
 
     python tools/core_ab.py BUILD_DIR_A[:ISA[:ARITH[:THREADS_ON]]] BUILD_DIR_B[:ISA[:ARITH[:THREADS_ON]]]
                             [--context 32768] [--threads 2] [--blocks 20] [--queries 1] [--heads 32/8/128]
+                            [--cold MB] [--layers 1]
 
 Each folder holds a libpnmix_core.so (e.g. the installed pnmix/lib and a `cmake --build build/dev`
 of a change); ISA (avx2, avx512, avx512vbmi, scalar; default auto) and ARITH (fp32, int8; default
@@ -17,11 +18,20 @@ each build's median, 10th percentile and minimum milliseconds per call (batch 1,
 by default the bench decode shape: 32 query / 8 KV heads, head dim 128, one query).
 --queries N: a prompt's later chunk instead: N queries over the `context` cached tokens, with their
 own N new K/V (causal), the call vLLM's backend makes for it (`--heads 9/3/64`: SmolLM2-135M's).
+--cold MB: before each call, untimed, torch sums a tensor of MB megabytes, as a model's weights pass
+through the caches between two layers' attention calls (SmolLM2-135M's: about 18 MB a layer in
+fp32); the state, the kernel's code and its scratch then come from memory as they do in a model.
+--layers L: L copies of the cache for each build, each call on the next (a model's layers, one call
+each a step):
+with --cold, each state comes from memory while the code and scratch that the calls share may stay
+in the last-level cache, as in a model (`--heads 9/3/64 --context 8192 --layers 30 --cold 14`:
+SmolLM2-135M's 8K step).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 from pathlib import Path
 
@@ -90,6 +100,9 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=20)
     parser.add_argument("--queries", type=int, default=1, help="> 1: a chunk of that many queries and new K/V")
     parser.add_argument("--heads", default="32/8/128", help="query heads / KV heads / head dim")
+    parser.add_argument("--layers", type=int, default=1, help="copies of the cache, called in turn")
+    parser.add_argument("--cold", type=float, default=0.0, metavar="MB",
+                        help="read this many MB before each call (untimed): the caches as a model leaves them")
     args = parser.parse_args()
     q_heads, kv_heads, dim = heads_arg(parser, args.heads)
 
@@ -107,10 +120,16 @@ def main() -> None:
             parser.error(f"{build}: THREADS_ON must be torch or pool")
     if args.threads < 1:
         parser.error(f"--threads must be at least 1, got {args.threads}")
+    if not 1 <= args.layers <= 4096:
+        parser.error(f"--layers must be in 1..4096, got {args.layers}")
+    if not 0 <= args.cold <= 65536:
+        parser.error(f"--cold must be in 0..65536 MB, got {args.cold:g}")
     torch.set_num_threads(args.threads)  # the team CoreOps runs on (bench decode sets it alike)
 
     n, nq = args.context, args.queries
     q, layout, state, k_new, v_new = decode_case(n, nq, q_heads, kv_heads, dim)
+    def copies() -> list:  # with --layers, every build its own: none finds states the other just read
+        return [{name: t.clone() for name, t in state.items()} for _ in range(args.layers)]
     libraries: dict[tuple[str, str], CoreOps] = {}
     calls = []
     for build in args.builds:
@@ -123,19 +142,28 @@ def main() -> None:
             except PnMixError as exc:  # another ABI's build: one line
                 parser.error(f"{folder}: {exc}")
 
-        def call(ops=libraries[folder, threads_on], isa=isa, arith=arith):  # the ISA and arithmetic are process-wide
-            ops.set_isa(isa)
+        def call(ops=libraries[folder, threads_on], isa=isa, arith=arith, turn=itertools.count(),
+                 states=copies() if args.layers > 1 else [state]):
+            ops.set_isa(isa)  # the ISA and arithmetic are process-wide
             ops.set_arith(arith)
-            return ops.attend(q, layout, state, n, k_new, v_new)
+            return ops.attend(q, layout, states[next(turn) % len(states)], n, k_new, v_new)
 
         calls.append(call)
     outputs = [call() for call in calls]  # also each one's warm-up
     print("outputs bitwise equal:", all(torch.equal(outputs[0], out) for out in outputs[1:]))
-    timings = time_interleaved(calls, args.blocks, per_round=BLOCK_CALLS)
+    flood = torch.ones(int(args.cold * 2**20) // 4)  # fp32 elements; empty without --cold
+
+    def evict() -> None:
+        flood.sum()
+
+    timings = time_interleaved(calls, args.blocks, per_round=BLOCK_CALLS,
+                               before=[evict] * len(calls) if args.cold else None)
     for folder, timing in zip(args.builds, timings):
         print(f"{folder}: median {timing.median_s * 1e3:.3f} ms, p10 {timing.percentile_s(10) * 1e3:.3f}, "
               f"min {timing.best_s * 1e3:.3f} ({timing.count} calls, {args.threads} threads, {n} tokens"
-              + (f", {nq} queries" if nq > 1 else "") + ")")
+              + (f", {nq} queries" if nq > 1 else "") + (f", {args.layers} caches" if args.layers > 1 else "")
+              + (f", {args.cold:g} MB read before each" if args.cold else "")
+              + ")")
 
 
 if __name__ == "__main__":

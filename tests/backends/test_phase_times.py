@@ -77,6 +77,21 @@ def test_core_ab_times_torch_threads_against_the_pool_and_refuses_other_names():
     assert run.returncode == 2 and "THREADS_ON must be torch or pool" in run.stderr
 
 
+@needs_core
+def test_core_ab_cold_mode_calls_each_builds_own_caches_and_refuses_bad_counts():
+    folder = str(find_library("pnmix_core")[0].parent)
+    run = subprocess.run([sys.executable, str(ROOT / "tools" / "core_ab.py"), f"{folder}::fp32", f"{folder}::fp32",
+                          "--context", "1024", "--blocks", "1", "--layers", "3", "--cold", "1"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert "outputs bitwise equal: True" in run.stdout  # each build's copies hold the one cache's bytes
+    assert run.stdout.count("3 caches, 1 MB read before each)") == 2
+    for bad, message in ((["--layers", "0"], "--layers must be in 1..4096"), (["--cold", "-1"], "--cold must be")):
+        run = subprocess.run([sys.executable, str(ROOT / "tools" / "core_ab.py"), f"{folder}::fp32",
+                              "--context", "1024", "--blocks", "1", *bad], capture_output=True, text=True, timeout=600)
+        assert run.returncode == 2 and message in run.stderr
+
+
 @pytest.mark.slow  # builds libpnmix_core once more, with the timers
 @needs_core
 @pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake is not installed")
