@@ -128,8 +128,16 @@ def main() -> None:
 
     n, nq = args.context, args.queries
     q, layout, state, k_new, v_new = decode_case(n, nq, q_heads, kv_heads, dim)
-    def copies() -> list:  # with --layers, every build its own: none finds states the other just read
-        return [{name: t.clone() for name, t in state.items()} for _ in range(args.layers)]
+    def copies() -> list:
+        # with --layers, every build its own, none finding states the other just read; on huge pages
+        # where the machine gives them, as a model's PnMixCache keeps its state
+        out = []
+        for _ in range(args.layers):
+            copy = layout.empty_state(huge_pages=True)
+            for name, t in copy.items():
+                t.copy_(state[name])
+            out.append(copy)
+        return out
     libraries: dict[tuple[str, str], CoreOps] = {}
     calls = []
     for build in args.builds:

@@ -471,11 +471,12 @@ int prepare_run(const pnmix_layout& L, const pnmix_state* state, const pnmix_pag
   return PNMIX_OK;
 }
 
-// What a sequence asks of the threads, in threads' worth (attend_threads' two measures).
-double run_work(const SeqRun& run) {
+// What a sequence asks of the threads, in threads' worth (attend_threads' two measures; awake: for a
+// caller's threads, already awake).
+double run_work(const SeqRun& run, bool awake = false) {
   if (run.empty) return 0.0;
   const AttendJob& job = run.job;
-  return (double)persistent_bytes(job.L, job.seq_len) / kMinBytesPerThread +
+  return (double)persistent_bytes(job.L, job.seq_len) / (awake ? kMinBytesPerAwakeThread : kMinBytesPerThread) +
          (double)dense_macs(job, job.L.batch) / kMinDenseMacsPerThread;
 }
 
@@ -526,9 +527,10 @@ void run_batch_item(void* ctx, int64_t item) {
 // run's work), run every item, merge each run's splits into its output.
 int run_batch(const pnmix_layout& L, SeqRun* runs, int64_t count, int nthreads, pnmix_parallel_for runner,
               void* runner_ctx) {
+  const bool awake = runner != nullptr;  // the measure the thread count came from
   double total_work = 0.0;
   int64_t live = 0;
-  for (int64_t i = 0; i < count; ++i) total_work += run_work(runs[i]), live += !runs[i].empty;
+  for (int64_t i = 0; i < count; ++i) total_work += run_work(runs[i], awake), live += !runs[i].empty;
   if (!live) return ok();
   // enough items for dynamic balance across threads; one thread gains nothing from splits, and each
   // costs its partial rows' set-up and merge (a chunk's thousands of rows: megabytes)
@@ -538,7 +540,7 @@ int run_batch(const pnmix_layout& L, SeqRun* runs, int64_t count, int nthreads, 
     SeqRun& run = runs[i];
     run.first_item = items;
     if (run.empty) continue;
-    const double share = total_work > 0.0 ? run_work(run) / total_work : 1.0 / (double)live;
+    const double share = total_work > 0.0 ? run_work(run, awake) / total_work : 1.0 / (double)live;
     const double mine = ceil((double)wanted * share);
     split_run(run, mine < 1.0 ? 1 : mine > (double)wanted ? wanted : (int64_t)mine);
     items += run.items;
@@ -671,10 +673,18 @@ int pnmix_attend_paged(const pnmix_layout* layout, const pnmix_paged_state* page
                        int q_is_fp32, int64_t q_heads, int64_t nq, int64_t q_bytes, const uint16_t* k_new,
                        const uint16_t* v_new, int64_t n_new, int64_t new_bytes, float* out, int64_t out_bytes,
                        int threads) {
+  return pnmix_attend_paged_on(layout, paged, seq_len, q, q_is_fp32, q_heads, nq, q_bytes, k_new, v_new, n_new,
+                               new_bytes, out, out_bytes, threads, nullptr, nullptr);
+}
+
+int pnmix_attend_paged_on(const pnmix_layout* layout, const pnmix_paged_state* paged, int64_t seq_len, const void* q,
+                          int q_is_fp32, int64_t q_heads, int64_t nq, int64_t q_bytes, const uint16_t* k_new,
+                          const uint16_t* v_new, int64_t n_new, int64_t new_bytes, float* out, int64_t out_bytes,
+                          int threads, pnmix_parallel_for runner, void* runner_ctx) {
   try {
     if (!paged) return fail(PNMIX_ERR_NULL, "paged state pointer is null");
     return attend_impl(layout, nullptr, paged, seq_len, q, q_is_fp32, q_heads, nq, q_bytes, k_new, v_new, n_new,
-                       new_bytes, out, out_bytes, threads, nullptr, nullptr);
+                       new_bytes, out, out_bytes, threads, runner, runner_ctx);
   } catch (const std::exception& e) {
     return fail(PNMIX_ERR_INTERNAL, "attention failed: %s", e.what());
   }
@@ -682,6 +692,12 @@ int pnmix_attend_paged(const pnmix_layout* layout, const pnmix_paged_state* page
 
 int pnmix_attend_paged_batch(const pnmix_layout* layout, const pnmix_paged_sequence* seqs, int64_t count,
                              int q_is_fp32, int64_t q_heads, int threads) {
+  return pnmix_attend_paged_batch_on(layout, seqs, count, q_is_fp32, q_heads, threads, nullptr, nullptr);
+}
+
+int pnmix_attend_paged_batch_on(const pnmix_layout* layout, const pnmix_paged_sequence* seqs, int64_t count,
+                                int q_is_fp32, int64_t q_heads, int threads, pnmix_parallel_for runner,
+                                void* runner_ctx) {
   try {
     if (int rc = check_layout(layout)) return rc;
     if (int rc = check_arith()) return rc;
@@ -699,12 +715,12 @@ int pnmix_attend_paged_batch(const pnmix_layout* layout, const pnmix_paged_seque
         const std::string why = abi::last_error();  // the sequence's own message, named by its index
         return fail(rc, "sequence %lld: %s", (long long)i, why.c_str());
       }
-      work += run_work(runs[i]);
+      work += run_work(runs[i], runner != nullptr);
     }
     // attend_threads' measure summed over the batch: one thread per that much work
     const int available = resolve_threads(threads);
     const int nthreads = work < 1.0 ? 1 : work < (double)available ? (int)work : available;
-    return run_batch(L, runs.data(), count, nthreads, nullptr, nullptr);
+    return run_batch(L, runs.data(), count, nthreads, runner, runner_ctx);
   } catch (const std::exception& e) {
     return fail(PNMIX_ERR_INTERNAL, "attention failed: %s", e.what());
   }

@@ -26,7 +26,7 @@ from .native import (INT as _INT, I64 as _I64, PTR as _PTR, CConfig, CLayout, CO
                      nbytes as _nbytes, ptr as _ptr)
 
 LIBRARY = "pnmix_core"
-ABI_VERSION = 9
+ABI_VERSION = 10
 
 _SIGNATURES: native.Signatures = {
     "pnmix_core_abi_version": ([], _INT),
@@ -46,6 +46,9 @@ _SIGNATURES: native.Signatures = {
     "pnmix_attend_paged": ([_PTR, _PTR, _I64, _PTR, _INT, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _INT],
                            _INT),
     "pnmix_attend_paged_batch": ([_PTR, _PTR, _I64, _INT, _I64, _INT], _INT),
+    "pnmix_attend_paged_on": ([_PTR, _PTR, _I64, _PTR, _INT, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _I64, _INT,
+                               _PTR, _PTR], _INT),
+    "pnmix_attend_paged_batch_on": ([_PTR, _PTR, _I64, _INT, _I64, _INT, _PTR, _PTR], _INT),
     "pnmix_group_sections": ([_PTR, _PTR, _PTR], _INT),
     "pnmix_attend_isa": ([], ctypes.c_char_p),
     "pnmix_set_attend_isa": ([ctypes.c_char_p], _INT),
@@ -179,13 +182,13 @@ class CoreOps(CacheOps):
     """append / attend through libpnmix_core. threads: None or <= 0 uses every core (on torch's
     threads: torch.get_num_threads()).
 
-    torch_threads: run the work items of attend and attend_append on torch's intra-op threads where
-    torch runs them on an OpenMP runtime (pnmix_openmp_parallel_for): between a model's layers they
-    are awake, spinning, and a decode step's attention starts on all of them at once, where the
+    torch_threads: run the work items of attend, attend_append and the paged calls (vLLM's) on
+    torch's intra-op threads where torch runs them on an OpenMP runtime (pnmix_openmp_parallel_for):
+    between a model's layers they are awake, spinning, and a decode step's attention starts on all of them at once, where the
     core's own pool would wake a helper to share a core with torch's spinning one (docs/BENCHMARKS.md
     section 2.24). None: PNMIX_TORCH_THREADS (unset or 1: yes; 0: no), read when the ops are made (a
     copy of a cache reads it again). False, or a torch without that runtime: the core's own pool,
-    which also serves the appends' group flushes and the paged calls."""
+    which also serves the appends' group flushes."""
 
     name = "core"
     checks_kv_values = True  # attend_append rounds and checks the new K/V in its one C call
@@ -284,9 +287,10 @@ class CoreOps(CacheOps):
         n_new = 0 if k_new is None else k_new.shape[2]
         out = _output(q)
         lay = c_layout(layout)
-        check(self.lib, self.lib.pnmix_attend_paged(
+        check(self.lib, self.lib.pnmix_attend_paged_on(
             ctypes.byref(lay), ctypes.byref(c), seq_len, _ptr(q), int(is_fp32), q_heads, nq, _nbytes(q),
-            _ptr(k_new), _ptr(v_new), n_new, _nbytes(k_new), _ptr(out), _nbytes(out), self.threads))
+            _ptr(k_new), _ptr(v_new), n_new, _nbytes(k_new), _ptr(out), _nbytes(out), self._threads(), self.runner,
+            self.team_address))
         return out
 
     def attend_paged_batch(self, q: torch.Tensor, layout: CacheLayout, pages: torch.Tensor,
@@ -348,8 +352,8 @@ class CoreOps(CacheOps):
             seq.k_new, seq.v_new, seq.new_bytes = k_base + i * kv_row, v_base + i * kv_row, kv_row
             seq.out, seq.out_bytes = out_base + i * out_row, out_row
         lay = c_layout(layout)
-        check(self.lib, self.lib.pnmix_attend_paged_batch(ctypes.byref(lay), seqs, n, int(is_fp32), q.shape[1],
-                                                          self.threads))
+        check(self.lib, self.lib.pnmix_attend_paged_batch_on(ctypes.byref(lay), seqs, n, int(is_fp32), q.shape[1],
+                                                             self._threads(), self.runner, self.team_address))
         return out
 
     # ---- extras: the kernel in use, and the .pnkv dump through the C decoder ----------------

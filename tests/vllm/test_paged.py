@@ -32,9 +32,9 @@ def make_ops(name):
         pytest.skip(f"libpnmix_core not available: {reason}")
     from pnmix.backends.core_ops import CoreOps
 
-    # The paged calls run on the core's own pool; the contiguous calls they are compared with bit
-    # for bit must split their work alike, so they take it too (not torch's threads).
-    return CoreOps(torch_threads=False)
+    # The paged calls and the contiguous ones they are compared with bit for bit run where CoreOps
+    # runs its work (torch's threads where torch has them), split alike.
+    return CoreOps()
 
 
 def shuffled_blocks(count: int, num_blocks: int, seed: int) -> torch.Tensor:
@@ -269,6 +269,41 @@ def test_a_batched_decode_step_equals_each_sequences_own_call(core_arith, totals
             assert (got[i] - want[0, :, 0]).abs().max().item() <= INT8_TOLERANCE, total
     # the int32 tables an engine hands (vLLM's block_table tensor) read the same blocks
     assert torch.equal(batch_attend(ops, paged, kv_pages, tables.to(torch.int32), totals, q, k_new, v_new), got)
+
+
+def test_a_batched_decode_step_runs_on_a_callers_threads_split_as_on_torchs():
+    """attend_paged_batch hands its work items to CoreOps' runner (torch's OpenMP team, or here one
+    that runs them in reverse order): each item once, split for the runner's awake threads, and the
+    same bits as torch's team, which splits alike."""
+    import ctypes
+
+    from pnmix.backends import native
+    from pnmix.backends.core_ops import CoreOps
+
+    make_ops("core")  # (skips without the library)
+    totals = [3, 100, 165, 1000, 4096, 700, 129]
+    paged, kv_pages, tables, k_new, v_new = filled_batch(totals)
+    q = torch.randn(len(totals), 9, 64, generator=torch.Generator().manual_seed(3)).half()
+    task = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)
+    ran = []
+
+    def backwards(ctx, run_task, task_ctx, items):
+        for item in reversed(range(items)):
+            ran.append(item)
+            run_task(task_ctx, item)
+        return 0
+
+    runner = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, task, ctypes.c_void_p, ctypes.c_int64)(backwards)
+    ops = CoreOps(threads=2, torch_threads=False)
+    ops.runner, ops.team_address = native.address(runner), None  # the split is for ops.threads
+    got = batch_attend(ops, paged, kv_pages, tables, totals, q, k_new, v_new)
+    assert len(ran) > len(totals) and sorted(ran) == list(range(len(ran)))  # split for 2 awake threads
+    pool = batch_attend(CoreOps(threads=2, torch_threads=False), paged, kv_pages, tables, totals, q, k_new, v_new)
+    torch.testing.assert_close(got, pool, rtol=1e-5, atol=1e-5)  # the pool (2 MiB a thread): no split here
+    team = CoreOps(threads=2, torch_threads=True)
+    if team.team is None:
+        pytest.skip("torch has no OpenMP runtime here: no team to compare with")
+    assert torch.equal(batch_attend(team, paged, kv_pages, tables, totals, q, k_new, v_new), got)
 
 
 def test_a_batched_decode_step_refuses_bad_input_naming_the_sequence():

@@ -19,11 +19,12 @@
 extern "C" {
 #endif
 
-#define PNMIX_CORE_ABI_VERSION 9 /* 3: pnmix_core_struct_offset; 4: pnmix_attend_on; 5: pnmix_set_attend_arith; \
+#define PNMIX_CORE_ABI_VERSION 10 /* 3: pnmix_core_struct_offset; 4: pnmix_attend_on; 5: pnmix_set_attend_arith; \
                                     6: pnmix_paged_state, pnmix_attend_paged, pnmix_group_sections; \
                                     7: pnmix_paged_sequence, pnmix_attend_paged_batch; \
                                     8: pnmix_attend_append, PNMIX_ERR_VALUE; \
-                                    9: pnmix_attend_append_on, pnmix_openmp_parallel_for */
+                                    9: pnmix_attend_append_on, pnmix_openmp_parallel_for; \
+                                    10: pnmix_attend_paged_on, pnmix_attend_paged_batch_on */
 
 #if defined(_WIN32)
 #define PNMIX_API
@@ -180,6 +181,19 @@ PNMIX_API int pnmix_attend_append_on(const pnmix_layout* layout, pnmix_state* st
                                      int q_is_fp32, int64_t q_heads, int64_t nq, int64_t q_bytes, const void* k_new,
                                      const void* v_new, int new_is_fp32, int64_t n_new, int64_t new_bytes, float* out,
                                      int64_t out_bytes, int threads, pnmix_parallel_for runner, void* runner_ctx);
+
+/* pnmix_attend_paged and pnmix_attend_paged_batch with the work items on the caller's threads
+ * (runner, as in pnmix_attend_on: the work split for `threads`, a thread worth the smaller share of
+ * an awake pool; null: the core's pool, as the calls without _on). A batch's thread count follows
+ * the work of all its sequences. */
+PNMIX_API int pnmix_attend_paged_on(const pnmix_layout* layout, const pnmix_paged_state* paged, int64_t seq_len,
+                                    const void* q, int q_is_fp32, int64_t q_heads, int64_t nq, int64_t q_bytes,
+                                    const uint16_t* k_new, const uint16_t* v_new, int64_t n_new, int64_t new_bytes,
+                                    float* out, int64_t out_bytes, int threads, pnmix_parallel_for runner,
+                                    void* runner_ctx);
+PNMIX_API int pnmix_attend_paged_batch_on(const pnmix_layout* layout, const pnmix_paged_sequence* seqs,
+                                          int64_t count, int q_is_fp32, int64_t q_heads, int threads,
+                                          pnmix_parallel_for runner, void* runner_ctx);
 
 /* An OpenMP runtime's thread team, for pnmix_openmp_parallel_for: gomp_parallel is the address of
  * that runtime's GOMP_parallel (GCC libgomp's entry point, which LLVM's libomp and Intel's libiomp5
