@@ -167,7 +167,9 @@ def check_queries(layout: CacheLayout, seq_len: int, q: torch.Tensor, k_new, v_n
 
 
 class CacheOps(ABC):
-    """The two pn-mix mechanisms over a state dict, as one backend implements them."""
+    """The two pn-mix mechanisms over a state dict, as one backend implements them. A state's
+    tensors are written in place but never re-pointed (set_, resize_): a change of the state's
+    memory replaces the tensors in the dict, which a backend may rely on to reuse what it checked."""
 
     name: str = "?"
     # Whether attend_append itself rounds new K/V to fp16 and refuses non-finite ones (PnMixError,

@@ -147,8 +147,8 @@ def nbytes(t: Optional[torch.Tensor]) -> int:
 # The CState built for each state dict (by id), with weak references to the tensors it was built
 # from: a decode loop hands the same tensors every step, so the checks run once per set of buffers,
 # not once per call (30 layers a step). A tensor object keeps its memory, size and dtype for life
-# unless it is re-pointed in place (set_, resize_), which no pn-mix cache does to its state: a
-# cache that changes its state replaces the tensors. Its own tensors still alive is then what
+# unless it is re-pointed in place (set_, resize_), which no pn-mix cache does to its state and no
+# caller may (CacheOps says so): a cache that changes its state replaces the tensors. Its own tensors still alive is then what
 # makes a struct right for a state, and it is checked without a call into torch (a decode step's
 # layers find torch's code and objects out of the caches: each such call costs microseconds).
 _checked_states: Dict[int, tuple] = {}
@@ -178,7 +178,7 @@ def state_struct(state: Dict[str, torch.Tensor], device_problem) -> CState:
 
 def _built_from(tensors: tuple, state: Dict[str, torch.Tensor]) -> bool:
     """Whether state holds exactly the (live) tensor objects a struct was built from."""
-    return all(ref() is state.get(name) for ref, name in zip(tensors, STATE_NAMES))
+    return all((t := ref()) is not None and t is state.get(name) for ref, name in zip(tensors, STATE_NAMES))
 
 
 def _checked_c_state(state: Dict[str, torch.Tensor], device_problem) -> CState:

@@ -410,9 +410,10 @@ class PnMixLayer(CacheLayerMixin):
         positions = forward_kwargs.get("position_ids")
         if not isinstance(positions, torch.Tensor) or positions.dim() != 2 or positions.numel() == 0:
             return
-        mark = (positions._version, seq_len)  # _version: what an in-place change bumps
+        # _version: what an in-place change bumps (an inference-mode tensor has none: checked each time)
+        mark = None if positions.is_inference() else (positions._version, seq_len)
         last = getattr(_checked_positions, "last", None)
-        if last is not None and last[0]() is positions and last[1] == mark:
+        if mark is not None and last is not None and last[0]() is positions and last[1] == mark:
             return  # a step's other layers: the same tensor, found right at the same length
         if positions.shape[0] > 1 and not bool((positions == positions[:1]).all()):
             raise PnMixError(
@@ -425,7 +426,8 @@ class PnMixLayer(CacheLayerMixin):
                 f"position ids start at {start} but the cache holds {seq_len} tokens of layer "
                 f"{self.layer_idx}: the input must continue the cached sequence (padding or a rewind?)"
             )
-        _checked_positions.last = (weakref.ref(positions), mark)
+        if mark is not None:
+            _checked_positions.last = (weakref.ref(positions), mark)
 
 
 # The position ids the last update on this thread found right, and at which length: a step hands

@@ -415,6 +415,15 @@ def test_a_calls_structs_are_built_once_and_again_when_a_tensor_is_replaced():
         native.state_struct(state, core_ops._on_cpu)
     with pytest.raises(PnMixError, match=f"'{name}' must be a contiguous"):
         native.state_struct(state, core_ops._on_cpu)  # refused again, not found in a cache
+    state[name] = state[name].float()  # (an fp32 copy of the uint8 tensor: refused alike)
+    good = layout.empty_state()
+    native.state_struct(good, core_ops._on_cpu)
+    del good[STATE_NAMES[1]]  # the same dict, a tensor gone: refused, not served the struct of before
+    with pytest.raises(PnMixError, match=f"missing tensor '{STATE_NAMES[1]}'"):
+        native.state_struct(good, core_ops._on_cpu)
+    good.clear()
+    with pytest.raises(PnMixError, match="missing tensor"):
+        native.state_struct(good, core_ops._on_cpu)
     assert native.layout_struct(layout) is native.layout_struct(layout)
     other = CacheLayout(CONFIGS["manifest"], 1, 2, 32, 800)
     assert native.layout_struct(other).max_seq_len == 800 and native.layout_struct(layout).max_seq_len == 400

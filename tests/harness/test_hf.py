@@ -303,6 +303,22 @@ def test_positions_found_right_are_checked_again_when_changed_in_place_or_at_ano
     positions.add_(1)  # the same tensor, changed in place
     with pytest.raises(PnMixError, match="start at 6 but the cache holds 5 tokens"):
         PnMixLayer._check_positions(layer, {"position_ids": positions}, 5)
+    with torch.inference_mode():  # no version counter: checked every time
+        frozen = torch.arange(5, 8).unsqueeze(0)
+    PnMixLayer._check_positions(layer, {"position_ids": frozen}, 5)
+    with pytest.raises(PnMixError, match="start at 5 but the cache holds 6 tokens"):
+        PnMixLayer._check_positions(layer, {"position_ids": frozen}, 6)
+
+
+def test_decoding_under_inference_mode_equals_no_grad(model):
+    outputs = []
+    for mode in (torch.no_grad, torch.inference_mode):
+        cache = PnMixCache()
+        with mode():
+            first = model(input_ids=tokens(20), cache=cache)
+            step = model(input_ids=first.logits[:, -1:].argmax(-1), cache=cache)
+        outputs.append(step.logits)
+    assert torch.equal(*outputs)
 
 
 # ---- the pnmix attention without a PnMixCache -------------------------------------------------

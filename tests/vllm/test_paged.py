@@ -297,7 +297,8 @@ def test_a_batched_decode_step_runs_on_a_callers_threads_split_as_on_torchs():
     ops = CoreOps(threads=2, torch_threads=False)
     ops.runner, ops.team_address = native.address(runner), None  # the split is for ops.threads
     got = batch_attend(ops, paged, kv_pages, tables, totals, q, k_new, v_new)
-    assert len(ran) > len(totals) and sorted(ran) == list(range(len(ran)))  # split for 2 awake threads
+    # 3 KV heads a sequence: more items than that only where the groups were split for 2 awake threads
+    assert len(ran) > 3 * len(totals) and sorted(ran) == list(range(len(ran)))
     pool = batch_attend(CoreOps(threads=2, torch_threads=False), paged, kv_pages, tables, totals, q, k_new, v_new)
     torch.testing.assert_close(got, pool, rtol=1e-5, atol=1e-5)  # the pool (2 MiB a thread): no split here
     team = CoreOps(threads=2, torch_threads=True)
