@@ -184,9 +184,9 @@ class CoreOps(CacheOps):
 
     torch_threads: run the work items of attend, attend_append and the paged calls (vLLM's) on
     torch's intra-op threads where torch runs them on an OpenMP runtime (pnmix_openmp_parallel_for):
-    between a model's layers they are awake, spinning, and a decode step's attention starts on all of them at once, where the
-    core's own pool would wake a helper to share a core with torch's spinning one (docs/BENCHMARKS.md
-    section 2.24). None: PNMIX_TORCH_THREADS (unset or 1: yes; 0: no), read when the ops are made (a
+    between a model's layers they are awake, spinning, and a decode step's attention starts on all
+    of them at once, where the core's own pool would wake a helper to share a core with torch's
+    spinning one (docs/BENCHMARKS.md sections 2.24-2.25). None: PNMIX_TORCH_THREADS (unset or 1: yes; 0: no), read when the ops are made (a
     copy of a cache reads it again). False, or a torch without that runtime: the core's own pool,
     which also serves the appends' group flushes."""
 
