@@ -166,3 +166,22 @@ class PluginField(ctypes.Structure):
 
     _fields_ = [("name", ctypes.c_char_p), ("data", ctypes.c_void_p), ("type", ctypes.c_int32),
                 ("length", ctypes.c_int32)]
+
+
+# pnmix_task and pnmix_parallel_for (pnmix_core.h): a caller's parallel-for, as the tests hand one
+# to the core's `_on` calls.
+TASK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)
+RUNNER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, TASK, ctypes.c_void_p, ctypes.c_int64)
+
+
+def reverse_order_runner(ran: List[int]):
+    """A pnmix_parallel_for that runs every item on the calling thread, last first, appending each
+    item to `ran` (keep the returned callback alive while the library may call it)."""
+
+    def backwards(ctx, task, task_ctx, items):
+        for item in reversed(range(items)):
+            ran.append(item)
+            task(task_ctx, item)
+        return 0
+
+    return RUNNER(backwards)

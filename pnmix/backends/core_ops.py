@@ -22,8 +22,7 @@ from ..format import STATE_DTYPES, STATE_NAMES, CacheLayout
 from ..memory import switch_on
 from . import native
 from .native import (INT as _INT, I64 as _I64, PTR as _PTR, CConfig, CLayout, COpenMPTeam, CPagedSequence, CPagedState, CState,
-                     c_layout,
-                     nbytes as _nbytes, ptr as _ptr)
+                     c_layout, nbytes as _nbytes, ptr as _ptr)
 
 LIBRARY = "pnmix_core"
 ABI_VERSION = 10
@@ -186,9 +185,9 @@ class CoreOps(CacheOps):
     torch's intra-op threads where torch runs them on an OpenMP runtime (pnmix_openmp_parallel_for):
     between a model's layers they are awake, spinning, and a decode step's attention starts on all
     of them at once, where the core's own pool would wake a helper to share a core with torch's
-    spinning one (docs/BENCHMARKS.md sections 2.24-2.25). None: PNMIX_TORCH_THREADS (unset or 1: yes; 0: no), read when the ops are made (a
-    copy of a cache reads it again). False, or a torch without that runtime: the core's own pool,
-    which also serves the appends' group flushes."""
+    spinning one (docs/BENCHMARKS.md sections 2.24-2.25). None: PNMIX_TORCH_THREADS (unset or 1:
+    yes; 0: no), read when the ops are made (a copy of a cache reads it again). False, or a torch
+    without that runtime: the core's own pool, which also serves the appends' group flushes."""
 
     name = "core"
     checks_kv_values = True  # attend_append rounds and checks the new K/V in its one C call

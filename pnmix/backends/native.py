@@ -9,7 +9,6 @@ state tensors as C buffers; core_ops.py and cuda_ops.py add only their own entry
 from __future__ import annotations
 
 import ctypes
-import functools
 import weakref
 from typing import Dict, Mapping, Optional, Sequence, Tuple, Type
 
@@ -96,8 +95,8 @@ def check_status(status: int, what: str, last_error) -> None:
 
 
 def c_layout(layout: CacheLayout) -> CLayout:
-    """The C struct of a layout: built once per layout (layouts are frozen), copied per call so
-    the caller may change its own."""
+    """The C struct of a layout: built once per layout object (layouts are frozen), copied per call
+    so the caller may change its own."""
     return CLayout.from_buffer_copy(layout_struct(layout))
 
 
@@ -117,7 +116,6 @@ def layout_struct(layout: CacheLayout) -> CLayout:
     return known[1]
 
 
-@functools.lru_cache(maxsize=256)
 def _built_layout(layout: CacheLayout) -> CLayout:
     fields = layout.config.to_dict()
     fields["pair_layout"] = PAIR_LAYOUTS.index(fields["pair_layout"])

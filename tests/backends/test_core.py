@@ -22,7 +22,7 @@ from pnmix.config import CONFIG_FIELDS, PnMixConfig
 from pnmix.machine import cpu_flags
 from pnmix.errors import PnMixError
 from pnmix.format import STATE_NAMES, CacheLayout
-from pnmix.testing import make_random_kv
+from pnmix.testing import RUNNER, TASK, make_random_kv, reverse_order_runner
 
 available, reason = library_status("pnmix_core")
 if not available:
@@ -512,8 +512,6 @@ def test_attend_append_checks_everything_before_it_writes(abi):
     assert not torch.equal(before["residual_k"], state["residual_k"])
 
 
-TASK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)
-RUNNER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, TASK, ctypes.c_void_p, ctypes.c_int64)
 
 
 # no group yet; groups (each dequantized once for the tiles); more keys than one batch of the tiles
@@ -560,15 +558,8 @@ def test_attention_on_a_callers_pool_is_bit_identical(ops):
     want, got = torch.empty(1, 32, 1, 128), torch.full((1, 32, 1, 128), float("nan"))
     args = (ctypes.byref(lay), ctypes.byref(st), seq_len, q.data_ptr(), 1, 32, 1, q.numel() * 4, None, None, 0, 0)
     assert lib.pnmix_attend(*args, want.data_ptr(), want.numel() * 4, 4) == 0
-    ran = []
-
-    def backwards(ctx, task, task_ctx, items):
-        for item in reversed(range(items)):
-            ran.append(item)
-            task(task_ctx, item)
-        return 0
-
-    runner = RUNNER(backwards)
+    ran: list = []
+    runner = reverse_order_runner(ran)
     assert attend_on(*args, got.data_ptr(), got.numel() * 4, 4, native.address(runner), None) == 0
     assert len(ran) > 4 and sorted(ran) == list(range(len(ran)))  # split for 4 threads, each item once
     assert torch.equal(got, want)

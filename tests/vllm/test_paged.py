@@ -275,25 +275,16 @@ def test_a_batched_decode_step_runs_on_a_callers_threads_split_as_on_torchs():
     """attend_paged_batch hands its work items to CoreOps' runner (torch's OpenMP team, or here one
     that runs them in reverse order): each item once, split for the runner's awake threads, and the
     same bits as torch's team, which splits alike."""
-    import ctypes
-
     from pnmix.backends import native
     from pnmix.backends.core_ops import CoreOps
+    from pnmix.testing import reverse_order_runner
 
     make_ops("core")  # (skips without the library)
     totals = [3, 100, 165, 1000, 4096, 700, 129]
     paged, kv_pages, tables, k_new, v_new = filled_batch(totals)
     q = torch.randn(len(totals), 9, 64, generator=torch.Generator().manual_seed(3)).half()
-    task = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)
-    ran = []
-
-    def backwards(ctx, run_task, task_ctx, items):
-        for item in reversed(range(items)):
-            ran.append(item)
-            run_task(task_ctx, item)
-        return 0
-
-    runner = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, task, ctypes.c_void_p, ctypes.c_int64)(backwards)
+    ran: list = []
+    runner = reverse_order_runner(ran)
     ops = CoreOps(threads=2, torch_threads=False)
     ops.runner, ops.team_address = native.address(runner), None  # the split is for ops.threads
     got = batch_attend(ops, paged, kv_pages, tables, totals, q, k_new, v_new)
