@@ -352,13 +352,16 @@ def bench_decode(
     json_path: JsonOut = None,
     rounds: int = typer.Option(1, help="Time every implementation this many times, in alternating order "
                                        "(a shared machine's load bursts then fall on several); the median round counts."),
+    isa: Optional[str] = typer.Option(None, help="libpnmix_core's kernel for the core rows and the register rates: "
+                                                 "auto, scalar, avx2, avx512, avx512vbmi or avx512vnni (default: the "
+                                                 "CPU's best; avx2 on an AVX-512 CPU times what AVX2-only CPUs run)."),
 ) -> int:
     """Median time per decode-attention step, cache bytes and bytes read, per implementation."""
     from .bench.decode import decode_command
 
     return decode_command(context=context, batch=batch, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
                           threads=threads, device=device, impls=impls, repeats=repeats, config=config,
-                          json_path=json_path, rounds=rounds)
+                          json_path=json_path, rounds=rounds, isa=isa)
 
 
 @command(bench_app, "generate")

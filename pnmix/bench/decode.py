@@ -396,17 +396,50 @@ def int8_stream_ceiling(bytes_read: int, stream_gbs: float, flops: int, int8_gop
     return min(1.0, (bytes_read / stream_gbs) / (flops / int8_gops))
 
 
+@contextlib.contextmanager
+def forced_kernel(isa: Optional[str]):
+    """libpnmix_core's kernel forced to `isa` for the block (process-wide, as CoreOps.set_isa), the
+    CPU's best again after it; None or "auto": nothing forced. A kernel this CPU or build lacks, or an
+    unknown name, is a PnMixError before anything runs."""
+    if isa is None or isa == "auto":
+        yield
+        return
+    from pnmix.backends.core_ops import CoreOps
+
+    try:
+        ops = CoreOps()
+        ops.set_isa(isa)
+    except PnMixError as exc:  # not built, not this CPU's, or no such kernel
+        raise PnMixError(f"--isa {isa}: {exc}") from None
+    try:
+        yield
+    finally:
+        ops.set_isa("auto")
+
+
 def run_decode_bench(context: int, batch: int = defaults.DECODE_BATCH, q_heads: int = defaults.DECODE_Q_HEADS,
                      kv_heads: int = defaults.DECODE_KV_HEADS, head_dim: int = defaults.DECODE_HEAD_DIM,
                      threads: Optional[int] = None, device: str = "cpu", impls: Optional[str] = None,
                      repeats: int = defaults.BENCH_REPEATS, config: Optional[PnMixConfig] = None, seed: int = 0,
-                     rounds: int = 1) -> dict:
+                     rounds: int = 1, isa: Optional[str] = None) -> dict:
     """The benchmark as data: {"results": [...], "skipped": [...], "machine": {...}, ...}.
 
     rounds > 1 times every implementation again in each round, in the reverse order of the round
     before (each set up anew, so memory stays one implementation at a time): on a shared machine a
     burst of load then falls on several implementations instead of on one. Each result's
-    ``median_ms`` is the median of its rounds' medians, and ``round_medians_ms`` lists them."""
+    ``median_ms`` is the median of its rounds' medians, and ``round_medians_ms`` lists them.
+
+    isa forces libpnmix_core's kernel (forced_kernel) for the core rows and the register rates: on an
+    AVX-512 machine, "avx2" times the kernels an AVX2-only CPU runs."""
+    with forced_kernel(isa):
+        report = _decode_bench(context, batch, q_heads, kv_heads, head_dim, threads, device, impls, repeats, config,
+                               seed, rounds)
+    return {**report, "isa": isa or "auto"}
+
+
+def _decode_bench(context: int, batch: int, q_heads: int, kv_heads: int, head_dim: int, threads: Optional[int],
+                  device: str, impls: Optional[str], repeats: int, config: Optional[PnMixConfig], seed: int,
+                  rounds: int) -> dict:
     config = config or PnMixConfig()
     layout = _check_args(context, batch, q_heads, kv_heads, head_dim, threads, repeats, config, rounds)
     names, skipped = _choose_impls(impls, device, context)
@@ -583,6 +616,9 @@ def _notes(report: dict) -> List[str]:
         notes.append(f"register rates, same threads: fp32 FMA ({fma_isa}) {fma:.1f} GFLOP/s, int8 {instruction} "
                      f"({int8_isa}) {int8:.1f} GOP/s ({int8 / fma:.2f}x); the step's multiply-adds take "
                      f"{flops / fma / 1e6:.2f} ms at the first and {flops / int8 / 1e6:.2f} ms at the second")
+    if report.get("isa", "auto") != "auto":
+        notes.append(f"libpnmix_core's kernel forced to {report['isa']} (--isa): the core rows and the register "
+                     f"rates ran it")
     for r in report["results"]:
         if "arith" in r and r["impl"] == "core_int8":
             share = f", {r['int8_fraction']:.0%} of the int8 rate" if "int8_fraction" in r else ""
@@ -606,14 +642,14 @@ def print_report(report: dict) -> None:
 
 def decode_command(context: int, batch: int, q_heads: int, kv_heads: int, head_dim: int, threads: Optional[int],
                    device: str, impls: Optional[str], repeats: int, config: Optional[Path],
-                   json_path: Optional[Path], rounds: int = 1) -> int:
+                   json_path: Optional[Path], rounds: int = 1, isa: Optional[str] = None) -> int:
     """The CLI's `pnmix bench decode` (pnmix/cli.py): print the table, write JSON, return 0."""
     from pnmix.manifest import load_manifest
 
     def run() -> dict:
         cfg = run_config(load_manifest(None), config).config
         return run_decode_bench(context, batch, q_heads, kv_heads, head_dim, threads, _resolve_device(device),
-                                impls, repeats, cfg, rounds=rounds)
+                                impls, repeats, cfg, rounds=rounds, isa=isa)
 
     run_report(json_path, run, print_report)
     return 0

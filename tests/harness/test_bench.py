@@ -183,6 +183,41 @@ def test_bad_arguments_are_one_line_errors(kwargs, message):
         bench.run_decode_bench(**args)
 
 
+def _cpu_has_avx2() -> bool:
+    from pnmix.backends.core_ops import CoreOps
+
+    return "avx2" in CoreOps().each_kernel()
+
+
+@pytest.mark.skipif(not CORE, reason=f"libpnmix_core not available: {CORE_REASON}")
+def test_isa_forces_the_core_rows_and_the_register_rates_then_lets_go():
+    from pnmix.backends.core_ops import CoreOps
+
+    if not _cpu_has_avx2():
+        pytest.skip("this CPU has no AVX2 kernel to force")
+    best = CoreOps().isa()
+    report = bench.run_decode_bench(1024, q_heads=8, kv_heads=2, head_dim=64, threads=1, device="cpu",
+                                    impls="core,core_int8", repeats=2, config=PnMixConfig(), isa="avx2")
+    assert report["isa"] == "avx2" and report["core_isa"] == "avx2"
+    assert {r["impl"]: r["isa"] for r in report["results"]} == {"core": "avx2", "core_int8": "avx2"}
+    assert report["machine"]["int8_madd_isa"] == report["machine"]["fp32_fma_isa"] == "avx2"
+    diff = {r["impl"]: r["max_abs_diff_vs_reference"] for r in report["results"]}
+    assert diff["core"] <= 1e-4 and diff["core_int8"] <= 1e-2  # exact fp32; the integer path's rounding
+    assert "forced to avx2 (--isa)" in " ".join(bench._notes(report))
+    assert CoreOps().isa() == best  # the CPU's best kernel again after the run
+
+
+@pytest.mark.skipif(not CORE, reason=f"libpnmix_core not available: {CORE_REASON}")
+def test_an_unknown_isa_is_a_one_line_error_before_anything_runs():
+    from pnmix.backends.core_ops import CoreOps
+
+    best = CoreOps().isa()
+    result = CliRunner().invoke(app, ["bench", "decode", "--context", "64", "--isa", "avx9", "--repeats", "1"])
+    assert result.exit_code == 2 and "--isa avx9: " in result.output and "unknown kernel 'avx9'" in result.output
+    assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
+    assert CoreOps().isa() == best
+
+
 def test_cli_prints_and_writes_json(tmp_path):
     out = tmp_path / "b.json"
     result = CliRunner().invoke(app, ["bench", "decode", "--context", "96", "--q-heads", "4", "--kv-heads", "2",
