@@ -483,7 +483,7 @@ def _decode_bench(context: int, batch: int, q_heads: int, kv_heads: int, head_di
         where, cache_bytes, read, timings = entry["where"], entry["cache_bytes"], entry["read"], entry["rounds"]
         # the median of the rounds' medians: a round that met a burst of load counts as one
         median = statistics.median(t.median_s for t in timings)
-        cpu = statistics.median(t.cpu_median_s for t in timings)
+        cpu = statistics.median(t.cpu_mean_s for t in timings)
         gbs = read / median / 1e9
         gflops = flops / median / 1e9
         results.append({
