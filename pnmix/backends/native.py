@@ -146,9 +146,10 @@ def nbytes(t: Optional[torch.Tensor]) -> int:
 # from: a decode loop hands the same tensors every step, so the checks run once per set of buffers,
 # not once per call (30 layers a step). A tensor object keeps its memory, size and dtype for life
 # unless it is re-pointed in place (set_, resize_), which no pn-mix cache does to its state and no
-# caller may (CacheOps says so): a cache that changes its state replaces the tensors. Its own tensors still alive is then what
-# makes a struct right for a state, and it is checked without a call into torch (a decode step's
-# layers find torch's code and objects out of the caches: each such call costs microseconds).
+# caller may (CacheOps says so): a cache that changes its state replaces the tensors. Its own
+# tensors still alive is then what makes a struct right for a state, and it is checked without a
+# call into torch (a decode step's layers find torch's code and objects out of the caches: each
+# such call costs microseconds).
 _checked_states: Dict[int, tuple] = {}
 _MAX_CHECKED_STATES = 4096  # layers x live caches; forgotten all at once past this
 
