@@ -146,9 +146,18 @@ def cpu_ops():
 def test_a_cache_on_huge_pages_gives_the_bytes_and_outputs_of_one_on_torchs_pages(arith, random_kv):
     ops = cpu_ops()
     if hasattr(ops, "set_arith"):
-        ops.set_arith(arith)
+        ops.set_arith(arith)  # process-wide: given back after the test, for the tests that follow
+        try:
+            _compare_page_kinds(ops, random_kv)
+        finally:
+            ops.set_arith("auto")
     elif arith == "int8":
         pytest.skip("the integer path is the C core's")
+    else:
+        _compare_page_kinds(ops, random_kv)
+
+
+def _compare_page_kinds(ops, random_kv) -> None:
     k, v = random_kv(1, 4, 2000, 64, seed=3)
     q = torch.randn(1, 8, 1, 64, generator=torch.Generator().manual_seed(4)).half()
     cache = PackedKVCache(PnMixConfig(), 4, 64, 16384, ops=ops)  # a 2.6 MB state
