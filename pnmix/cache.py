@@ -203,6 +203,15 @@ class CacheOps(ABC):
         self.append(layout, state, seq_len, k, v)
         return out
 
+    def attend_append_checked(self, q, layout: CacheLayout, state: State, seq_len: int, k: torch.Tensor,
+                              v: torch.Tensor, query_as_fp16: bool = False) -> torch.Tensor:
+        """attend_append for n >= 1 new tokens whose shapes, and the queries', the caller knows pass
+        check_queries (and fit the cache): a backend may skip those checks (the core does).
+        query_as_fp16: the queries count as rounded to fp16 (a backend may round them itself)."""
+        if query_as_fp16 and q.dtype != torch.float16:
+            q = q.to(torch.float16)
+        return self.attend_append(q, layout, state, seq_len, k, v)
+
 
 class ReferenceOps(CacheOps):
     """The PyTorch reference's ops (the ``torch`` backend): what every other backend is compared with."""
@@ -258,14 +267,21 @@ class PackedKVCache:
             self.ops.append(self.layout, self.state, self.seq_len, k16, v16)
             self._appended(n)
 
-    def attend_append_prechecked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend_append_prechecked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                 shapes_checked: bool = False, query_as_fp16: bool = False) -> torch.Tensor:
         """A decode step: attend(q, k, v), then the append of k/v, in one backend call. k/v: shapes
-        check_new_kv passed, values fp16_kv's, unless the ops check them (ops.checks_kv_values)."""
+        check_new_kv passed, values fp16_kv's, unless the ops check them (ops.checks_kv_values).
+        shapes_checked: q's and k/v's shapes and dtypes are those of a step this cache took, with
+        room for k/v (a transformers layer's steady decode step): the checks are not made again.
+        query_as_fp16 (with shapes_checked): the queries count as rounded to fp16."""
         n = k.shape[2]
-        if n == 0:
+        if shapes_checked:
+            out = self.ops.attend_append_checked(q, self.layout, self.state, self.seq_len, k, v, query_as_fp16)
+        elif n == 0:
             return self.ops.attend(q, self.layout, self.state, self.seq_len, k, v)
-        check_room(self.seq_len, n, self.layout.max_seq_len)
-        out = self.ops.attend_append(q, self.layout, self.state, self.seq_len, k, v)
+        else:
+            check_room(self.seq_len, n, self.layout.max_seq_len)
+            out = self.ops.attend_append(q, self.layout, self.state, self.seq_len, k, v)
         self._appended(n)
         return out
 

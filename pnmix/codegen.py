@@ -2,7 +2,7 @@
 the Python modules that own it, so nothing is typed twice.
 
 * the config fields, their kinds and integer ranges, and the limits (pnmix/config.py);
-* the pair layouts (config.PAIR_LAYOUTS), the state tensors with their element sizes and
+* the pair layouts (config.PAIR_LAYOUTS), the query encodings (format.QUERY_ENCODINGS), the state tensors with their element sizes and
   ONNX/TensorRT types (pnmix/format.py), the .pnkv header's magic, version and field offsets
   (format.DUMP_HEADER_FIELDS);
 * the plugins' names, version and namespace, and where each input sits (export/ops.py).
@@ -72,6 +72,9 @@ def render() -> str:
     lines += [f"#define PNMIX_PAIR_{name.upper()} {code}" for code, name in enumerate(config.PAIR_LAYOUTS)]
     lines += [f"#define PNMIX_NUM_PAIR_LAYOUTS {len(config.PAIR_LAYOUTS)}",
               f'#define PNMIX_PAIR_LAYOUT_LIST "{", ".join(config.PAIR_LAYOUTS)}"', ""]
+    lines += ["/* the query buffer's encodings (q_is_fp32 of the attention calls) */"]
+    lines += [f"#define PNMIX_QUERY_{name.upper()} {code}" for code, name in enumerate(fmt.QUERY_ENCODINGS)]
+    lines += [f"#define PNMIX_NUM_QUERY_ENCODINGS {len(fmt.QUERY_ENCODINGS)}", ""]
     state = [f"X({i}, {name.upper()}, {name}, {fmt.STATE_DTYPES[name].itemsize}, "
              f"{onnx.TensorProto.DataType.Name(ops.STATE_ONNX_TYPES[name])})" for i, name in enumerate(fmt.STATE_NAMES)]
     lines += _macro("PNMIX_STATE_TENSORS", state, "X(index, NAME, name, element bytes, ONNX/TensorRT type) per "

@@ -55,6 +55,11 @@ class Lengths(NamedTuple):
     residual: int
 
 
+# How the C calls read a query buffer (pnmix_core.h's q_is_fp32 argument, by index): fp16 bits,
+# fp32 as it is, or fp32 rounded to fp16 first, as a cast to fp16 would round it (a transformers
+# decode step's queries: the cast's torch call costs more than the rounding).
+QUERY_ENCODINGS = ("fp16", "fp32", "fp32_as_fp16")
+
 # Order and dtypes of the state tensors. ONNX input/output names, the C ABI's buffer order and
 # the .pnkv dump all follow this list.
 STATE_NAMES: Tuple[str, ...] = (

@@ -396,6 +396,10 @@ int prepare_run(const pnmix_layout& L, const pnmix_state* state, const pnmix_pag
     if (int rc = check_seq_len(L, seq_len)) return rc;
   }
   const int64_t B = L.batch, H = L.kv_heads, D = L.head_dim;
+  if (q_is_fp32 < 0 || q_is_fp32 >= PNMIX_NUM_QUERY_ENCODINGS)
+    return fail(PNMIX_ERR_CONFIG, "q_is_fp32 %d: the query encodings are 0 (fp16), 1 (fp32) and 2 (fp32 rounded to fp16)",
+                q_is_fp32);
+  const int q_element = q_is_fp32 == PNMIX_QUERY_FP16 ? 2 : 4;
   if (q_heads < 1 || q_heads > 65536 || q_heads % H)
     return fail(PNMIX_ERR_SIZE, "q_heads %lld must be a positive multiple of kv_heads %lld", (long long)q_heads,
                 (long long)H);
@@ -407,9 +411,9 @@ int prepare_run(const pnmix_layout& L, const pnmix_state* state, const pnmix_pag
                 (long long)total);
   const int64_t q_elems = product({B, q_heads, nq, D, 4}) < 0 ? -1 : B * q_heads * nq * D;
   if (q_elems < 0) return fail(PNMIX_ERR_SIZE, "q is too large: [B, Hq, nq, D] overflows");
-  if (q_bytes != q_elems * (q_is_fp32 ? 4 : 2))
+  if (q_bytes != q_elems * q_element)
     return fail(PNMIX_ERR_SIZE, "q buffer has %lld bytes, [B, Hq, nq, D] %s needs %lld", (long long)q_bytes,
-                q_is_fp32 ? "fp32" : "fp16", (long long)(q_elems * (q_is_fp32 ? 4 : 2)));
+                q_element == 4 ? "fp32" : "fp16", (long long)(q_elems * q_element));
   if (product({B, H, n_new, D, 2}) < 0) return fail(PNMIX_ERR_SIZE, "n_new is too large: [B, H, n_new, D] overflows");
   if (new_bytes != B * H * n_new * D * 2)
     return fail(PNMIX_ERR_SIZE, "new K/V buffers have %lld bytes, [B, H, n_new, D] fp16 needs %lld",
@@ -422,7 +426,7 @@ int prepare_run(const pnmix_layout& L, const pnmix_state* state, const pnmix_pag
   if (run.empty) return PNMIX_OK;
   if (!q || !out) return fail(PNMIX_ERR_NULL, "q or out pointer is null");
   if (n_new && (!k_new || !v_new)) return fail(PNMIX_ERR_NULL, "k_new or v_new pointer is null");
-  if (((uintptr_t)q & (q_is_fp32 ? 3 : 1)) || ((uintptr_t)out & 3) || (((uintptr_t)k_new | (uintptr_t)v_new) & 1))
+  if (((uintptr_t)q & (q_element - 1)) || ((uintptr_t)out & 3) || (((uintptr_t)k_new | (uintptr_t)v_new) & 1))
     return fail(PNMIX_ERR_SIZE, "q, out or new K/V buffer is not aligned to its element size");
   if (seq_len > 0)
     if (int rc = check_pair_mask(L, paged ? paged->pair_mask : buffer<const uint8_t>(state, PNMIX_PAIR_MASK),
@@ -430,9 +434,12 @@ int prepare_run(const pnmix_layout& L, const pnmix_state* state, const pnmix_pag
       return rc;
 
   float* q32 = ensure(run.q32, q_elems);
-  if (q_is_fp32)
+  if (q_is_fp32 == PNMIX_QUERY_FP32) {
     memcpy(q32, q, q_elems * 4);
-  else
+  } else if (q_is_fp32 == PNMIX_QUERY_FP32_AS_FP16) {
+    const float* f = static_cast<const float*>(q);
+    for (int64_t i = 0; i < q_elems; ++i) q32[i] = half_to_float(float_to_half(f[i]));
+  } else
     for (int64_t i = 0; i < q_elems; ++i) q32[i] = half_to_float(static_cast<const uint16_t*>(q)[i]);
 
   AttendJob& job = run.job;

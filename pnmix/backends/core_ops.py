@@ -18,14 +18,14 @@ import torch
 
 from ..cache import CacheOps, check_new_kv, check_queries, fp16_kv
 from ..errors import PnMixError
-from ..format import STATE_DTYPES, STATE_NAMES, CacheLayout
+from ..format import QUERY_ENCODINGS, STATE_DTYPES, STATE_NAMES, CacheLayout
 from ..memory import switch_on
 from . import native
 from .native import (INT as _INT, I64 as _I64, PTR as _PTR, CConfig, CLayout, COpenMPTeam, CPagedSequence, CPagedState, CState,
                      c_layout, nbytes as _nbytes, ptr as _ptr)
 
 LIBRARY = "pnmix_core"
-ABI_VERSION = 10
+ABI_VERSION = 11
 
 _SIGNATURES: native.Signatures = {
     "pnmix_core_abi_version": ([], _INT),
@@ -103,7 +103,7 @@ def c_state(state: Dict[str, torch.Tensor]) -> CState:
 def _call_structs(layout: CacheLayout, state: Dict[str, torch.Tensor]) -> tuple:
     """byref of the layout's and the (checked) state's shared structs, for a call that only reads
     them: a decode step makes 30 such calls, and copies of the structs cost each one a few us."""
-    return ctypes.byref(native.layout_struct(layout)), ctypes.byref(native.state_struct(state, _on_cpu))
+    return native.call_structs(layout, state, _on_cpu)
 
 
 def _fp16(t: torch.Tensor, what: str) -> torch.Tensor:
@@ -112,9 +112,14 @@ def _fp16(t: torch.Tensor, what: str) -> torch.Tensor:
     return t.to(torch.float16).contiguous()
 
 
+_KERNEL_DTYPES = (torch.float16, torch.float32)  # the queries and new K/V the C calls take as they are
+# q_is_fp32 of the attention calls (pnmix_core.h)
+_QUERY_FP16, _QUERY_FP32, _QUERY_FP32_AS_FP16 = (QUERY_ENCODINGS.index(name) for name in ("fp16", "fp32", "fp32_as_fp16"))
+
+
 def _step_kv(t: torch.Tensor, what: str) -> torch.Tensor:
     """New K/V as pnmix_attend_append takes them: contiguous fp16 or fp32 CPU tensors."""
-    if _cpu_only(t, what).dtype in (torch.float16, torch.float32):
+    if _cpu_only(t, what).dtype in _KERNEL_DTYPES:
         return t.contiguous()
     return t.to(torch.float16).contiguous()  # bf16 and fp64: one rounding, as fp16_kv's
 
@@ -241,20 +246,32 @@ class CoreOps(CacheOps):
         check_queries(layout, seq_len, q, k, v)
         if k.shape[2] == 0:
             return self.attend(q, layout, state, seq_len, k, v)
-        q, k, v = _cpu_query(q), _step_kv(k, "k_new"), _step_kv(v, "v_new")
-        if k.dtype != v.dtype:
-            k, v = k.float(), v.float()
-        out = _output(q)
-        lay, st = _call_structs(layout, state)
-        _, q_heads, nq, _ = q.shape
-        # (k, v and out hold elements here: their data_ptr and nbytes, without _ptr's and _nbytes' cases)
+        return self.attend_append_checked(q, layout, state, seq_len, k, v)
+
+    def attend_append_checked(self, q, layout, state, seq_len, k, v, query_as_fp16=False):
+        # A model's decode step runs this in each layer with its code out of the caches (after the
+        # layer's matrix products), where every Python call costs microseconds: the common case
+        # (CPU, contiguous, fp16 or fp32 queries, K/V of one such dtype) is checked inline, the
+        # rest goes through the converting helpers. The C call checks sizes and room again.
+        if not (q.is_cpu and k.is_cpu and v.is_cpu and q.dtype in _KERNEL_DTYPES and k.dtype is v.dtype
+                and k.dtype in _KERNEL_DTYPES and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+            q, k, v = _cpu_query(q), _step_kv(k, "k_new"), _step_kv(v, "v_new")
+            if k.dtype != v.dtype:
+                k, v = k.float(), v.float()
+        if q.dtype is torch.float32:  # fp32 queries rounded in the C call: a torch cast less
+            encoding = _QUERY_FP32_AS_FP16 if query_as_fp16 else _QUERY_FP32
+        else:
+            encoding = _QUERY_FP16
+        out = torch.empty(q.shape, dtype=torch.float32)  # _output's
+        lay, st = native.call_structs(layout, state, _on_cpu)
+        # (q, k, v and out hold elements here: their data_ptr and nbytes, without _ptr's and _nbytes' cases)
         status = self.lib.pnmix_attend_append_on(
-            lay, st, seq_len, _ptr(q), int(q.dtype == torch.float32), q_heads, nq, q.nbytes, k.data_ptr(),
-            v.data_ptr(), int(k.dtype == torch.float32), k.shape[2], k.nbytes, out.data_ptr(), out.nbytes,
-            self._threads(), self.runner, self.team_address)
+            lay, st, seq_len, q.data_ptr(), encoding, q.shape[1], q.shape[2], q.nbytes,
+            k.data_ptr(), v.data_ptr(), int(k.dtype is torch.float32), k.shape[2], k.nbytes, out.data_ptr(),
+            out.nbytes, self._threads(), self.runner, self.team_address)
         if status:  # the values are the C call's first check: fp16_kv names the tensor and its tokens
             fp16_kv(k, v, k.device, seq_len)
-        check(self.lib, status)
+            check(self.lib, status)
         return out
 
     def attend_paged(self, q: torch.Tensor, layout: CacheLayout, pages: torch.Tensor, block_table: torch.Tensor,

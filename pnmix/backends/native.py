@@ -175,6 +175,18 @@ def state_struct(state: Dict[str, torch.Tensor], device_problem) -> CState:
     return known[2]
 
 
+def call_structs(layout: CacheLayout, state: Dict[str, torch.Tensor], device_problem) -> tuple:
+    """byref of layout_struct(layout) and state_struct(state, device_problem), for a call that
+    only reads them, with both lookups in this one frame: a model's decode step makes 30 such
+    calls, each with its code out of the caches, where every Python call costs microseconds."""
+    known_layout = _layout_structs.get(id(layout))
+    known_state = _checked_states.get(id(state))
+    if (known_layout is None or known_layout[0] is not layout or known_state is None
+            or known_state[0] is not device_problem or not _built_from(known_state[1], state)):
+        return ctypes.byref(layout_struct(layout)), ctypes.byref(state_struct(state, device_problem))
+    return ctypes.byref(known_layout[1]), ctypes.byref(known_state[2])
+
+
 def _built_from(tensors: tuple, state: Dict[str, torch.Tensor]) -> bool:
     """Whether state holds exactly the (live) tensor objects a struct was built from."""
     return all((t := ref()) is not None and t is state.get(name) for ref, name in zip(tensors, STATE_NAMES))

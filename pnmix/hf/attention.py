@@ -47,8 +47,13 @@ def pnmix_attention_forward(module, query, key, value, attention_mask, scaling=N
     # The kernels scale by 1/sqrt(D); a model with another scale gets it folded into the queries.
     if scaling is not None and not math.isclose(scaling * math.sqrt(head_dim), 1.0, rel_tol=1e-6):
         query = query * (scaling * math.sqrt(head_dim))
-    out = step.layer.attend_pending(query.to(torch.float16))
-    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+    out = step.layer.attend_pending(query)  # fp32 [B, Hq, nq, D], the queries rounded to fp16
+    if query.dtype != torch.float32:
+        out = out.to(query.dtype)
+    # [B, nq, Hq, D]: one query's transpose is already contiguous (each torch call costs a decode
+    # step's layer microseconds, its code out of the caches after the layer's matrix products)
+    out = out.transpose(1, 2)
+    return (out if out.shape[1] == 1 else out.contiguous()), None
 
 
 def _check_step(module, step, attention_mask, nq: int, kwargs) -> None:

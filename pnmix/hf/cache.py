@@ -30,7 +30,7 @@ from ..cache import CacheOps, PackedKVCache, check_kv_tensors, check_new_kv, che
 from ..config import MAX_SEQ_LEN, PnMixConfig
 from ..errors import PnMixError, PnMixValueError
 from ._deps import require_transformers
-from .layer_step import Step, _last_step, batch_rows, check_repeats, take_step  # noqa: F401 (take_step: attention.py)
+from .layer_step import SteadyDecode, Step, _last_step, batch_rows, check_repeats, take_step  # noqa: F401 (take_step: attention.py)
 from .models import calling_model_config, pair_layout_for, resolve_config
 
 require_transformers()
@@ -77,6 +77,7 @@ class PnMixLayer(CacheLayerMixin):
         # Check a decode step's K/V values at its update even where the backend's attend_append checks
         # them (ops.checks_kv_values): a row of a padded batch, whose rows are all checked before any appends.
         self.check_at_update = False
+        self.steady: Optional[SteadyDecode] = None
 
     # ---- transformers' layer interface ----------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -91,6 +92,20 @@ class PnMixLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        steady, packed = self.steady, self.packed
+        # A steady decode step (SteadyDecode), checked here in a few comparisons: a model's layer
+        # runs this with its code out of the caches, where every Python call costs microseconds.
+        # No step pending, the past not recorded (an append's flushed groups are then kept).
+        if (steady is not None and packed is not None and steady.packed is packed and self.pending is None
+                and not self.record_past and isinstance(key_states, torch.Tensor)
+                and isinstance(value_states, torch.Tensor)
+                and (key_states.shape, key_states.dtype, value_states.shape, value_states.dtype) == steady.kv
+                and packed.seq_len + key_states.shape[2] <= steady.limit):
+            seq_before = packed.seq_len
+            self._check_positions(kwargs.get("kwargs"), seq_before)
+            step = Step(self, weakref.ref(key_states), seq_before, key_states, value_states, True, steady=True)
+            self.pending = _last_step.step = step
+            return key_states, value_states
         if self.pending is not None:
             # Only the pnmix attention reads the packed cache; any other one saw the new tokens alone.
             raise PnMixError(
@@ -124,6 +139,7 @@ class PnMixLayer(CacheLayerMixin):
         elif self.packed_attention:
             keys, values = key_states, value_states
             pending = True
+            self._note_steady(key_states, value_states, k_new)
         else:
             k_cache, v_cache = packed.dequantized()
             keys = torch.cat([k_cache.to(key_states.dtype), key_states], dim=2)
@@ -137,19 +153,45 @@ class PnMixLayer(CacheLayerMixin):
         _last_step.step = step
         return keys, values
 
+    def _note_steady(self, k: torch.Tensor, v: torch.Tensor, k_new: torch.Tensor) -> None:
+        """After a packed-path update's checks: the step later ones like it may skip them by, where
+        the backend checks the values itself (k_new is the model's own) and the step is small
+        (larger ones probe free memory first, an answer that may change)."""
+        if k_new is not k or self.record_past or 2 * k.numel() * 2 > SMALL_UPDATE_BYTES:
+            self.steady = None
+            return
+        packed = self.packed_cache()
+        limit = packed.layout.max_seq_len
+        if self.max_cache_len is not None:
+            limit = min(limit, self.max_cache_len)
+        kv = (k.shape, k.dtype, v.shape, v.dtype)
+        known = self.steady
+        query = known.query if known is not None and known.packed is packed and known.kv == kv else None
+        self.steady = SteadyDecode(packed, kv, limit, query)
+
     def attend_pending(self, query: torch.Tensor) -> torch.Tensor:
-        """The packed path (attention.py): fp16 queries [B, Hq, nq, D] over the packed cache and the
-        pending step's new K/V, then that step's append; fp32 [B, Hq, nq, D]."""
-        step, packed = self.pending, self.packed_cache()
-        if step is None:
+        """The packed path (attention.py): queries [B, Hq, nq, D], rounded to fp16, over the packed
+        cache and the pending step's new K/V, then that step's append; fp32 [B, Hq, nq, D]."""
+        step, packed = self.pending, self.packed
+        if step is None or packed is None:
             raise PnMixError(f"layer {self.layer_idx} has no step waiting for the pnmix attention")
-        if query.dtype != torch.float16:  # the pnmix attention casts them; a direct caller may not
+        steady, signature = self.steady, (query.shape, query.dtype)
+        if (step.steady and steady is not None and steady.packed is packed and steady.query == signature
+                and not self.record_past):
+            try:  # (the backend rounds the queries to fp16: the core in its C call, without a torch cast)
+                return packed.attend_append_prechecked(query, step.k_new, step.v_new, shapes_checked=True,
+                                                       query_as_fp16=True)
+            finally:
+                self.pending = None
+        if query.dtype != torch.float16:
             query = query.to(torch.float16)
         flushed = self._flushed_by(step.k_new, step.v_new)
         try:
             out = packed.attend_append_prechecked(query, step.k_new, step.v_new)
         finally:
             self.pending = None  # taken, or refused before anything changed: either way the step is over
+        if steady is not None and steady.packed is packed:
+            steady.query = signature  # the backend's checks passed this query's shape
         self._keep_flushed(flushed)
         return out
 
@@ -487,7 +529,10 @@ class PnMixCache(Cache):
                              f"got {layer_idx!r}")
         if not self.model_checked:
             self.adopt_model_layout(calling_model_config())
-        layer = self.pnmix_layers[layer_idx] if layer_idx < made else self._new_layer(layer_idx, key_states, kwargs)
+        if layer_idx < made:  # (self.layers, not pnmix_layers: a property call less per layer and decode step)
+            layer: PnMixLayer = self.layers[layer_idx]  # type: ignore[assignment]
+        else:
+            layer = self._new_layer(layer_idx, key_states, kwargs)
         layer.record_past = layer.record_past or self.record_past
         out = layer.update(key_states, value_states, *args, **kwargs)
         if layer_idx == made:

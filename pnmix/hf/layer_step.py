@@ -68,6 +68,21 @@ class Step:
     k_new: torch.Tensor  # K/V of this step's tokens: fp16, or as the model gave them where the backend checks them
     v_new: torch.Tensor
     pending: bool  # the append waits for the attention function
+    steady: bool = False  # a steady decode step (SteadyDecode): its shapes passed the checks before
+
+
+@dataclasses.dataclass
+class SteadyDecode:
+    """The last decode step a layer's packed path checked in full. A step with K/V of the same
+    shapes and dtypes, on the same packed cache with room for it, gets the same answers from
+    update's checks (shapes, sizes, backend, capacity), and a query of the same shape and dtype
+    from the backend's; they are not made again. A decode step of a model's layer pays each
+    check in microseconds, its code out of the caches after the layer's matrix products."""
+
+    packed: Any  # the PackedKVCache checked (a resize, crop into the prefill, reset or new batch makes another)
+    kv: tuple  # (k.shape, k.dtype, v.shape, v.dtype) as checked
+    limit: int  # the tokens the cache may hold without growing (its slots, max_cache_len)
+    query: Optional[tuple] = None  # (q.shape, q.dtype) the backend's checks passed, after the first attention
 
 
 # The attention function runs right after its layer's update on the same thread.

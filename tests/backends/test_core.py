@@ -194,6 +194,46 @@ def test_a_decode_step_of_fp32_kv_rounds_them_as_the_cache_does(ops):
     assert dump.dump_state(layout, as_fp32, 400) == dump.dump_state(layout, as_fp16, 400)
 
 
+def test_fp32_queries_rounded_in_the_call_equal_the_fp16_cast(ops):
+    """attend_append_checked(query_as_fp16=True) on fp32 queries (rounded in the C call, the
+    encoding PNMIX_QUERY_FP32_AS_FP16) against the same step on the queries cast to fp16 by torch:
+    bit for bit, output and state, on every kernel and both arithmetics; without the flag the
+    fp32 queries are used as they are."""
+    layout = CacheLayout(CONFIGS["manifest"], 1, 2, 32, 420)
+    k, v = make_random_kv(1, 2, 420, 32, seed=9, dtype=torch.float32)
+    q = torch.randn(1, 4, 1, 32, generator=torch.Generator().manual_seed(3))
+    q[0, 0, 0, :4] = torch.tensor([65519.0, 2.0 ** -25, 1.0 + 2.0 ** -11, 3e-8])  # fp16's rounding edges
+    try:
+        for isa in ops.each_kernel():
+            for arith_name in (("fp32", "int8") if isa != "scalar" else ("fp32",)):
+                ops.set_arith(arith_name)
+                rounded, _ = run_schedule(ops.append, layout, [384], k, v)
+                cast = {name: t.clone() for name, t in rounded.items()}
+                for t in range(384, 420):
+                    new_k, new_v = k[:, :, t:t + 1], v[:, :, t:t + 1]
+                    got = ops.attend_append_checked(q, layout, rounded, t, new_k, new_v, query_as_fp16=True)
+                    want = ops.attend_append_checked(q.half(), layout, cast, t, new_k, new_v)
+                    assert torch.equal(got, want), (isa, arith_name, t)
+                assert dump.dump_state(layout, rounded, 420) == dump.dump_state(layout, cast, 420), isa
+        exact = ops.attend(q, layout, rounded, 420)
+        assert not torch.equal(exact, ops.attend(q.half(), layout, rounded, 420))  # fp32 used as it is
+    finally:
+        ops.set_arith("auto")
+
+
+def test_an_unknown_query_encoding_is_refused(ops):
+    layout = CacheLayout(CONFIGS["manifest"], 1, 2, 32, 64)
+    state = layout.empty_state()
+    q = torch.zeros(1, 4, 1, 32)
+    out = torch.empty(1, 4, 1, 32)
+    lay, st = native.call_structs(layout, state, core_ops._on_cpu)
+    for encoding in (-1, 3):
+        status = ops.lib.pnmix_attend(lay, st, 0, q.data_ptr(), encoding, 4, 1, q.nbytes, None, None, 0, 0,
+                                      out.data_ptr(), out.nbytes, 1)
+        assert status == 2  # PNMIX_ERR_CONFIG
+        assert b"query encodings are 0 (fp16), 1 (fp32) and 2" in ops.lib.pnmix_last_error()
+
+
 def test_a_decode_step_of_any_float_kv_equals_the_caches_fp16(ops):
     """bf16, fp64, a mix of dtypes and non-contiguous K/V through attend_append: the output and
     bytes of the same step given fp16_kv's fp16 K/V."""

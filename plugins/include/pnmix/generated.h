@@ -60,6 +60,12 @@
 #define PNMIX_NUM_PAIR_LAYOUTS 2
 #define PNMIX_PAIR_LAYOUT_LIST "adjacent, half"
 
+/* the query buffer's encodings (q_is_fp32 of the attention calls) */
+#define PNMIX_QUERY_FP16 0
+#define PNMIX_QUERY_FP32 1
+#define PNMIX_QUERY_FP32_AS_FP16 2
+#define PNMIX_NUM_QUERY_ENCODINGS 3
+
 /* X(index, NAME, name, element bytes, ONNX/TensorRT type) per state tensor, in STATE_NAMES order */
 #define PNMIX_STATE_TENSORS(X) \
   X(0, SINK_K, sink_k, 2, FLOAT16) \

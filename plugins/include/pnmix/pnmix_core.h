@@ -19,12 +19,13 @@
 extern "C" {
 #endif
 
-#define PNMIX_CORE_ABI_VERSION 10 /* 3: pnmix_core_struct_offset; 4: pnmix_attend_on; 5: pnmix_set_attend_arith; \
+#define PNMIX_CORE_ABI_VERSION 11 /* 3: pnmix_core_struct_offset; 4: pnmix_attend_on; 5: pnmix_set_attend_arith; \
                                     6: pnmix_paged_state, pnmix_attend_paged, pnmix_group_sections; \
                                     7: pnmix_paged_sequence, pnmix_attend_paged_batch; \
                                     8: pnmix_attend_append, PNMIX_ERR_VALUE; \
                                     9: pnmix_attend_append_on, pnmix_openmp_parallel_for; \
-                                    10: pnmix_attend_paged_on, pnmix_attend_paged_batch_on */
+                                    10: pnmix_attend_paged_on, pnmix_attend_paged_batch_on; \
+                                    11: q_is_fp32 == PNMIX_QUERY_FP32_AS_FP16 (2) */
 
 #if defined(_WIN32)
 #define PNMIX_API
@@ -90,11 +91,15 @@ PNMIX_API int pnmix_attend_append(const pnmix_layout* layout, pnmix_state* state
                                   const void* v_new, int new_is_fp32, int64_t n_new, int64_t new_bytes, float* out,
                                   int64_t out_bytes, int threads);
 
-/* Attention of q [B, Hq, nq, D] (fp16 bits if q_is_fp32 == 0, else fp32) over the cache of seq_len
+/* Attention of q [B, Hq, nq, D] over the cache of seq_len
  * tokens followed by n_new fp16 tokens k_new/v_new [B, H, n_new, D] (may be null when n_new == 0).
  * The queries are the last nq of the seq_len + n_new positions (causal); GQA head h reads KV
  * head h / (Hq / H); scale 1/sqrt(D); out fp32 [B, Hq, nq, D]. threads <= 0: every core the
- * calling thread may run on (its affinity mask: a pinned engine worker gets its own cores). */
+ * calling thread may run on (its affinity mask: a pinned engine worker gets its own cores).
+ * q_is_fp32, in every attention call, says how q is read (generated.h): PNMIX_QUERY_FP16 (0) fp16
+ * bits, PNMIX_QUERY_FP32 (1) fp32 as it is, PNMIX_QUERY_FP32_AS_FP16 (2) fp32 rounded to fp16
+ * first, as a cast to fp16 rounds it (bit for bit the fp16 call on the cast's result); any other
+ * value is PNMIX_ERR_CONFIG. */
 PNMIX_API int pnmix_attend(const pnmix_layout* layout, const pnmix_state* state, int64_t seq_len, const void* q,
                  int q_is_fp32, int64_t q_heads, int64_t nq, int64_t q_bytes, const uint16_t* k_new,
                  const uint16_t* v_new, int64_t n_new, int64_t new_bytes, float* out, int64_t out_bytes,
