@@ -447,16 +447,14 @@ class PnMixLayer(CacheLayerMixin):
 
     def _check_positions(self, forward_kwargs: Any, seq_len: int) -> None:
         """Refuse left-padded batches and inputs that do not continue the cached sequence."""
-        if not isinstance(forward_kwargs, dict):
-            return
-        positions = forward_kwargs.get("position_ids")
+        positions = forward_kwargs.get("position_ids") if isinstance(forward_kwargs, dict) else None
+        last = getattr(_checked_positions, "last", None)
+        # _version: what an in-place change bumps (an inference-mode tensor has none: never kept here)
+        if last is not None and positions is not None and last[0]() is positions and last[1] == (positions._version, seq_len):
+            return  # a step's other layers: the same tensor, found right at the same length
         if not isinstance(positions, torch.Tensor) or positions.dim() != 2 or positions.numel() == 0:
             return
-        # _version: what an in-place change bumps (an inference-mode tensor has none: checked each time)
         mark = None if positions.is_inference() else (positions._version, seq_len)
-        last = getattr(_checked_positions, "last", None)
-        if mark is not None and last is not None and last[0]() is positions and last[1] == mark:
-            return  # a step's other layers: the same tensor, found right at the same length
         if positions.shape[0] > 1 and not bool((positions == positions[:1]).all()):
             raise PnMixError(
                 "PnMixCache takes a batch of equal-length prompts; these rows have different position ids "
