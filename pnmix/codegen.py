@@ -2,9 +2,9 @@
 the Python modules that own it, so nothing is typed twice.
 
 * the config fields, their kinds and integer ranges, and the limits (pnmix/config.py);
-* the pair layouts (config.PAIR_LAYOUTS), the query encodings (format.QUERY_ENCODINGS), the state tensors with their element sizes and
-  ONNX/TensorRT types (pnmix/format.py), the .pnkv header's magic, version and field offsets
-  (format.DUMP_HEADER_FIELDS);
+* the pair layouts (config.PAIR_LAYOUTS), the query encodings (format.QUERY_ENCODINGS), the
+  state tensors with their element sizes and ONNX/TensorRT types (pnmix/format.py), the .pnkv
+  header's magic, version and field offsets (format.DUMP_HEADER_FIELDS);
 * the plugins' names, version and namespace, and where each input sits (export/ops.py).
 
 The header is checked in (a C++ build needs no Python); tests/core/test_codegen.py fails when it is

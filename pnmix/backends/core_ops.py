@@ -117,6 +117,11 @@ _KERNEL_DTYPES = (torch.float16, torch.float32)  # the queries and new K/V the C
 _QUERY_FP16, _QUERY_FP32, _QUERY_FP32_AS_FP16 = (QUERY_ENCODINGS.index(name) for name in ("fp16", "fp32", "fp32_as_fp16"))
 
 
+def _query_encoding(q: torch.Tensor) -> int:
+    """How a C call reads the (fp16 or fp32) queries q: as they are."""
+    return _QUERY_FP32 if q.dtype == torch.float32 else _QUERY_FP16
+
+
 def _step_kv(t: torch.Tensor, what: str) -> torch.Tensor:
     """New K/V as pnmix_attend_append takes them: contiguous fp16 or fp32 CPU tensors."""
     if _cpu_only(t, what).dtype in _KERNEL_DTYPES:
@@ -235,7 +240,7 @@ class CoreOps(CacheOps):
         out = _output(q)
         lay, st = _call_structs(layout, state)
         check(self.lib, self.lib.pnmix_attend_on(
-            lay, st, seq_len, _ptr(q), int(q.dtype == torch.float32), q.shape[1],
+            lay, st, seq_len, _ptr(q), _query_encoding(q), q.shape[1],
             q.shape[2], _nbytes(q), _ptr(k_new), _ptr(v_new), 0 if k_new is None else k_new.shape[2],
             _nbytes(k_new), _ptr(out), _nbytes(out), self._threads(), self.runner, self.team_address))
         return out
@@ -294,7 +299,7 @@ class CoreOps(CacheOps):
         for k_name, v_name in (("sink_k", "sink_v"), ("residual_k", "residual_v")):
             if _nbytes(slot[k_name]) != _nbytes(slot[v_name]):
                 raise PnMixError(f"slot tensors '{k_name}' and '{v_name}' differ in size")
-        is_fp32 = q.dtype == torch.float32
+        encoding = _query_encoding(q)
         _, q_heads, nq, _ = q.shape
         if k_new is not None and v_new is not None and k_new.shape[2]:  # both or neither (check_queries)
             k_new, v_new = _fp16(k_new, "k_new"), _fp16(v_new, "v_new")
@@ -304,7 +309,7 @@ class CoreOps(CacheOps):
         out = _output(q)
         lay = c_layout(layout)
         check(self.lib, self.lib.pnmix_attend_paged_on(
-            ctypes.byref(lay), ctypes.byref(c), seq_len, _ptr(q), int(is_fp32), q_heads, nq, _nbytes(q),
+            ctypes.byref(lay), ctypes.byref(c), seq_len, _ptr(q), encoding, q_heads, nq, _nbytes(q),
             _ptr(k_new), _ptr(v_new), n_new, _nbytes(k_new), _ptr(out), _nbytes(out), self._threads(), self.runner,
             self.team_address))
         return out
@@ -346,7 +351,7 @@ class CoreOps(CacheOps):
         if bad:
             raise PnMixError(f"slot id {bad[0]} outside 0..{num_slots - 1}")
         q, k16, v16 = _cpu_query(q), _fp16(k_new, "k_new"), _fp16(v_new, "v_new")
-        is_fp32 = q.dtype == torch.float32
+        encoding = _query_encoding(q)
         out = torch.empty(n, q.shape[1], d, dtype=torch.float32)
         seqs = (CPagedSequence * n)()
         slot_base = {name: (slots[name].data_ptr(), _nbytes(slots[name]) // num_slots) for name in SLOT_TENSORS}
@@ -368,7 +373,7 @@ class CoreOps(CacheOps):
             seq.k_new, seq.v_new, seq.new_bytes = k_base + i * kv_row, v_base + i * kv_row, kv_row
             seq.out, seq.out_bytes = out_base + i * out_row, out_row
         lay = c_layout(layout)
-        check(self.lib, self.lib.pnmix_attend_paged_batch_on(ctypes.byref(lay), seqs, n, int(is_fp32), q.shape[1],
+        check(self.lib, self.lib.pnmix_attend_paged_batch_on(ctypes.byref(lay), seqs, n, encoding, q.shape[1],
                                                              self._threads(), self.runner, self.team_address))
         return out
 

@@ -139,7 +139,7 @@ class PnMixLayer(CacheLayerMixin):
         elif self.packed_attention:
             keys, values = key_states, value_states
             pending = True
-            self._note_steady(key_states, value_states, k_new)
+            self._note_steady(key_states, value_states, k_new, seq_before)
         else:
             k_cache, v_cache = packed.dequantized()
             keys = torch.cat([k_cache.to(key_states.dtype), key_states], dim=2)
@@ -153,11 +153,14 @@ class PnMixLayer(CacheLayerMixin):
         _last_step.step = step
         return keys, values
 
-    def _note_steady(self, k: torch.Tensor, v: torch.Tensor, k_new: torch.Tensor) -> None:
+    def _note_steady(self, k: torch.Tensor, v: torch.Tensor, k_new: torch.Tensor, seq_before: int) -> None:
         """After a packed-path update's checks: the step later ones like it may skip them by, where
-        the backend checks the values itself (k_new is the model's own) and the step is small
-        (larger ones probe free memory first, an answer that may change)."""
-        if k_new is not k or self.record_past or 2 * k.numel() * 2 > SMALL_UPDATE_BYTES:
+        the backend checks the values in its call (_backend_checks_step: not the torch or Triton
+        backend, whose values fp16_kv checks at the update, nor a padded batch's row, whose rows are
+        all checked before any appends), takes the model's K/V as they are (k_new is k: contiguous)
+        and the step is small (larger ones probe free memory first, an answer that may change)."""
+        if (not self._backend_checks_step(seq_before) or k_new is not k or self.record_past
+                or 2 * k.numel() * 2 > SMALL_UPDATE_BYTES):
             self.steady = None
             return
         packed = self.packed_cache()
@@ -255,6 +258,7 @@ class PnMixLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.packed = None
         self.pending = None
+        self.steady = None  # (it holds the old state)
         self.is_initialized = False
         self.packed_attention = False
         self.peak_copy_bytes = 0
@@ -397,6 +401,7 @@ class PnMixLayer(CacheLayerMixin):
     def _install(self, packed: Optional[PackedKVCache]) -> None:
         if packed is not None:
             self.packed = packed
+            self.steady = None  # (it holds the old state)
             self.batch_size = packed.layout.batch
             self.flushed = []  # kept for the old rows: crop after a batch change stays within the residual
 
@@ -449,7 +454,8 @@ class PnMixLayer(CacheLayerMixin):
         """Refuse left-padded batches and inputs that do not continue the cached sequence."""
         positions = forward_kwargs.get("position_ids") if isinstance(forward_kwargs, dict) else None
         last = getattr(_checked_positions, "last", None)
-        # _version: what an in-place change bumps (an inference-mode tensor has none: never kept here)
+        # _version: what an in-place change bumps (an inference-mode tensor has none: never kept here).
+        # (positions is not None: a dead reference's None must not match a step without positions.)
         if last is not None and positions is not None and last[0]() is positions and last[1] == (positions._version, seq_len):
             return  # a step's other layers: the same tensor, found right at the same length
         if not isinstance(positions, torch.Tensor) or positions.dim() != 2 or positions.numel() == 0:

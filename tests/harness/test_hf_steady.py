@@ -9,6 +9,7 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="transformers 5.x is the optional `hf` extra")
 
+from pnmix._native import library_status  # noqa: E402
 from pnmix.errors import PnMixError  # noqa: E402
 from pnmix.format import STATE_NAMES  # noqa: E402
 from pnmix.hf import PnMixCache  # noqa: E402
@@ -17,6 +18,10 @@ from pnmix import testing  # noqa: E402
 from pnmix.testing import make_random_kv  # noqa: E402
 
 KV_HEADS, HEAD_DIM = 2, 32
+# Steady steps are the core's: the other backends check a step's K/V values at the update.
+available, reason = library_status("pnmix_core")
+if not available:
+    pytest.skip(f"libpnmix_core not available: {reason}", allow_module_level=True)
 
 
 @pytest.fixture(scope="module")
@@ -70,18 +75,24 @@ def test_steady_steps_give_the_bits_of_fully_checked_steps(model, monkeypatch):
         assert id(b) not in full_checks  # (never_steady replaced its bookkeeping)
 
 
-def kv(n: int, seed: int):
-    return make_random_kv(1, KV_HEADS, n, HEAD_DIM, seed=seed, dtype=torch.float32)
+def kv(n: int, seed: int, dtype=torch.float32):
+    return make_random_kv(1, KV_HEADS, n, HEAD_DIM, seed=seed, dtype=dtype)
 
 
-def steady_layer(**options):
-    """A layer past its prefill and one fully checked packed step: its next steps are steady."""
+def packed_layer(dtype=torch.float32, **options):
+    """A layer past its prefill and one packed step."""
     cache = PnMixCache(**options)
-    cache.update(*kv(160, seed=0), 0)
+    cache.update(*kv(160, seed=0, dtype=dtype), 0)
     layer = cache.layers[0]
     layer.packed_attention = True  # what the pnmix attention sets after the prefill
-    cache.update(*kv(1, seed=1), 0)
+    cache.update(*kv(1, seed=1, dtype=dtype), 0)
     layer.attend_pending(query())
+    return cache, layer
+
+
+def steady_layer(dtype=torch.float32, **options):
+    """A layer past its prefill and one fully checked packed step: its next steps are steady."""
+    cache, layer = packed_layer(dtype, **options)
     assert layer.steady is not None and layer.steady.query is not None
     return cache, layer
 
@@ -90,19 +101,40 @@ def query(seed: int = 3):
     return torch.randn(1, 2 * KV_HEADS, 1, HEAD_DIM, generator=torch.Generator().manual_seed(seed))
 
 
-def test_a_steady_step_refuses_non_finite_kv_and_the_layer_goes_on():
-    cache, layer = steady_layer(backend="core")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_steady_step_refuses_non_finite_kv_and_the_layer_goes_on(dtype):
+    cache, layer = steady_layer(dtype, backend="core")
     before = {name: t.clone() for name, t in layer.packed.state.items()}
-    bad_k, v1 = kv(1, seed=5)
+    bad_k, v1 = kv(1, seed=5, dtype=dtype)
     bad_k[0, 1, 0, 7] = float("inf")
+    cache.update(bad_k, v1, 0)
+    assert layer.pending.steady  # the values are the C call's to refuse
     with pytest.raises(PnMixError, match="new keys hold non-finite values .* at tokens 161..161"):
-        cache.update(bad_k, v1, 0)
         layer.attend_pending(query())
     assert layer.pending is None and cache.get_seq_length() == 161
     assert all(torch.equal(before[name], layer.packed.state[name]) for name in STATE_NAMES)
-    cache.update(*kv(1, seed=6), 0)
+    cache.update(*kv(1, seed=6, dtype=dtype), 0)
     layer.attend_pending(query())
     assert cache.get_seq_length() == 162
+
+
+def test_no_steady_steps_where_the_update_checks_the_values():
+    """The torch backend (fp16_kv at the update: fp16 K/V pass through it as the same tensor) and a
+    padded batch's row (its rows all checked before any appends) never take the steady path."""
+    cache, layer = packed_layer(torch.float16, backend="torch")
+    assert layer.steady is None
+    bad_k, v1 = kv(1, seed=5, dtype=torch.float16)
+    bad_k[0, 0, 0, 1] = float("nan")
+    with pytest.raises(PnMixError, match="new keys hold non-finite values"):
+        cache.update(bad_k, v1, 0)
+    assert layer.pending is None and cache.get_seq_length() == 161
+    row = PnMixLayer(PnMixCache().config, 0)
+    row.check_at_update = True
+    row.update(*kv(160, seed=0, dtype=torch.float16))
+    row.packed_attention = True
+    row.update(*kv(1, seed=1, dtype=torch.float16))
+    row.attend_pending(query())
+    assert row.steady is None
 
 
 def test_a_step_unlike_the_steady_one_gets_every_check():
