@@ -383,6 +383,13 @@ struct SeqRun {
 };
 
 // Check one sequence's arguments and resolve its job, all but the work split (split_run).
+int check_query_encoding(int q_is_fp32) {
+  if (q_is_fp32 < 0 || q_is_fp32 >= PNMIX_NUM_QUERY_ENCODINGS)
+    return fail(PNMIX_ERR_CONFIG, "q_is_fp32 %d: the query encodings are 0 (fp16), 1 (fp32) and 2 (fp32 rounded to fp16)",
+                q_is_fp32);
+  return PNMIX_OK;
+}
+
 // Exactly one of state (contiguous) and paged is given.
 int prepare_run(const pnmix_layout& L, const pnmix_state* state, const pnmix_paged_state* paged, int64_t seq_len,
                 const void* q, int q_is_fp32, int64_t q_heads, int64_t nq, int64_t q_bytes, const uint16_t* k_new,
@@ -396,9 +403,7 @@ int prepare_run(const pnmix_layout& L, const pnmix_state* state, const pnmix_pag
     if (int rc = check_seq_len(L, seq_len)) return rc;
   }
   const int64_t B = L.batch, H = L.kv_heads, D = L.head_dim;
-  if (q_is_fp32 < 0 || q_is_fp32 >= PNMIX_NUM_QUERY_ENCODINGS)
-    return fail(PNMIX_ERR_CONFIG, "q_is_fp32 %d: the query encodings are 0 (fp16), 1 (fp32) and 2 (fp32 rounded to fp16)",
-                q_is_fp32);
+  if (int rc = check_query_encoding(q_is_fp32)) return rc;
   const int q_element = q_is_fp32 == PNMIX_QUERY_FP16 ? 2 : 4;
   if (q_heads < 1 || q_heads > 65536 || q_heads % H)
     return fail(PNMIX_ERR_SIZE, "q_heads %lld must be a positive multiple of kv_heads %lld", (long long)q_heads,
@@ -708,6 +713,7 @@ int pnmix_attend_paged_batch_on(const pnmix_layout* layout, const pnmix_paged_se
   try {
     if (int rc = check_layout(layout)) return rc;
     if (int rc = check_arith()) return rc;
+    if (int rc = check_query_encoding(q_is_fp32)) return rc;  // once, not as sequence 0's (an empty batch too)
     if (count < 0 || count > ((int64_t)1 << 20))
       return fail(PNMIX_ERR_SIZE, "sequence count must be in 0..2^20, got %lld", (long long)count);
     if (count && !seqs) return fail(PNMIX_ERR_NULL, "sequences pointer is null");

@@ -217,6 +217,9 @@ def test_fp32_queries_rounded_in_the_call_equal_the_fp16_cast(ops):
                 assert dump.dump_state(layout, rounded, 420) == dump.dump_state(layout, cast, 420), isa
         exact = ops.attend(q, layout, rounded, 420)
         assert not torch.equal(exact, ops.attend(q.half(), layout, rounded, 420))  # fp32 used as it is
+        new_k, new_v = k[:, :, -1:], v[:, :, -1:]  # and by attend_append_checked without the flag
+        as_is = ops.attend_append_checked(q, layout, {n: t.clone() for n, t in rounded.items()}, 419, new_k, new_v)
+        assert not torch.equal(as_is, ops.attend_append_checked(q.half(), layout, cast, 419, new_k, new_v))
     finally:
         ops.set_arith("auto")
 
@@ -232,6 +235,9 @@ def test_an_unknown_query_encoding_is_refused(ops):
                                       out.data_ptr(), out.nbytes, 1)
         assert status == 2  # PNMIX_ERR_CONFIG
         assert b"query encodings are 0 (fp16), 1 (fp32) and 2" in ops.lib.pnmix_last_error()
+        # a paged batch checks it once, before its sequences: an empty batch too
+        assert ops.lib.pnmix_attend_paged_batch(lay, None, 0, encoding, 4, 1) == 2
+        assert ops.lib.pnmix_last_error().startswith(b"q_is_fp32")
 
 
 def test_a_decode_step_of_any_float_kv_equals_the_caches_fp16(ops):
