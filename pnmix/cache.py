@@ -268,15 +268,15 @@ class PackedKVCache:
             self._appended(n)
 
     def attend_append_prechecked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                 shapes_checked: bool = False, query_as_fp16: bool = False) -> torch.Tensor:
+                                 steady: bool = False) -> torch.Tensor:
         """A decode step: attend(q, k, v), then the append of k/v, in one backend call. k/v: shapes
         check_new_kv passed, values fp16_kv's, unless the ops check them (ops.checks_kv_values).
-        shapes_checked: q's and k/v's shapes and dtypes are those of a step this cache took, with
-        room for k/v (a transformers layer's steady decode step): the checks are not made again.
-        query_as_fp16 (with shapes_checked): the queries count as rounded to fp16."""
+        steady: q's and k/v's shapes and dtypes are those of a step this cache took, with room for
+        n >= 1 new tokens (a transformers layer's steady decode step), and the queries count as
+        rounded to fp16: the checks are not made again, the backend may round the queries itself."""
         n = k.shape[2]
-        if shapes_checked:
-            out = self.ops.attend_append_checked(q, self.layout, self.state, self.seq_len, k, v, query_as_fp16)
+        if steady:
+            out = self.ops.attend_append_checked(q, self.layout, self.state, self.seq_len, k, v, query_as_fp16=True)
         elif n == 0:
             return self.ops.attend(q, self.layout, self.state, self.seq_len, k, v)
         else:

@@ -100,12 +100,6 @@ def c_state(state: Dict[str, torch.Tensor]) -> CState:
     return native.c_state(state, _on_cpu)
 
 
-def _call_structs(layout: CacheLayout, state: Dict[str, torch.Tensor]) -> tuple:
-    """byref of the layout's and the (checked) state's shared structs, for a call that only reads
-    them: a decode step makes 30 such calls, and copies of the structs cost each one a few us."""
-    return native.call_structs(layout, state, _on_cpu)
-
-
 def _fp16(t: torch.Tensor, what: str) -> torch.Tensor:
     if _cpu_only(t, what).dtype == torch.float16 and t.is_contiguous():
         return t  # what the caches hand over: no tensor op (a decode step makes these per layer)
@@ -238,7 +232,7 @@ class CoreOps(CacheOps):
         else:
             k_new = v_new = None
         out = _output(q)
-        lay, st = _call_structs(layout, state)
+        lay, st = native.call_structs(layout, state, _on_cpu)
         check(self.lib, self.lib.pnmix_attend_on(
             lay, st, seq_len, _ptr(q), _query_encoding(q), q.shape[1],
             q.shape[2], _nbytes(q), _ptr(k_new), _ptr(v_new), 0 if k_new is None else k_new.shape[2],

@@ -158,9 +158,10 @@ class PnMixLayer(CacheLayerMixin):
         the backend checks the values in its call (_backend_checks_step: not the torch or Triton
         backend, whose values fp16_kv checks at the update, nor a padded batch's row, whose rows are
         all checked before any appends), takes the model's K/V as they are (k_new is k: contiguous)
-        and the step is small (larger ones probe free memory first, an answer that may change)."""
+        and the step holds tokens (an empty one is an attend alone) but few (larger ones probe free
+        memory first, an answer that may change)."""
         if (not self._backend_checks_step(seq_before) or k_new is not k or self.record_past
-                or 2 * k.numel() * 2 > SMALL_UPDATE_BYTES):
+                or k.shape[2] == 0 or 2 * k.numel() * 2 > SMALL_UPDATE_BYTES):
             self.steady = None
             return
         packed = self.packed_cache()
@@ -179,23 +180,19 @@ class PnMixLayer(CacheLayerMixin):
         if step is None or packed is None:
             raise PnMixError(f"layer {self.layer_idx} has no step waiting for the pnmix attention")
         steady, signature = self.steady, (query.shape, query.dtype)
-        if (step.steady and steady is not None and steady.packed is packed and steady.query == signature
-                and not self.record_past):
-            try:  # (the backend rounds the queries to fp16: the core in its C call, without a torch cast)
-                return packed.attend_append_prechecked(query, step.k_new, step.v_new, shapes_checked=True,
-                                                       query_as_fp16=True)
-            finally:
-                self.pending = None
-        if query.dtype != torch.float16:
-            query = query.to(torch.float16)
-        flushed = self._flushed_by(step.k_new, step.v_new)
+        fast = (step.steady and steady is not None and steady.packed is packed and steady.query == signature
+                and not self.record_past)
+        if not fast and query.dtype != torch.float16:  # (a steady step's backend rounds them: the core in
+            query = query.to(torch.float16)             # its C call, without a torch cast)
+        flushed = [] if fast else self._flushed_by(step.k_new, step.v_new)
         try:
-            out = packed.attend_append_prechecked(query, step.k_new, step.v_new)
+            out = packed.attend_append_prechecked(query, step.k_new, step.v_new, steady=fast)
         finally:
             self.pending = None  # taken, or refused before anything changed: either way the step is over
-        if steady is not None and steady.packed is packed:
-            steady.query = signature  # the backend's checks passed this query's shape
-        self._keep_flushed(flushed)
+        if not fast:
+            if steady is not None and steady.packed is packed:
+                steady.query = signature  # the backend's checks passed this query's shape
+            self._keep_flushed(flushed)
         return out
 
     def _backend_checks_step(self, seq_before: int) -> bool:

@@ -173,3 +173,16 @@ def test_a_different_query_shape_goes_through_the_backends_checks():
     with pytest.raises(PnMixError, match="queries must have shape"):
         layer.attend_pending(torch.randn(1, 2 * KV_HEADS + 1, 1, HEAD_DIM))
     assert layer.pending is None and cache.get_seq_length() == 161
+
+
+def test_an_empty_step_after_steady_ones_attends_alone():
+    """An update of no tokens is never steady: it attends without appending, as before."""
+    cache, layer = steady_layer(backend="core")
+    for _ in range(2):
+        cache.update(*kv(0, seed=15), 0)
+        assert not layer.pending.steady
+        out = layer.attend_pending(query())
+        assert out.shape == (1, 2 * KV_HEADS, 1, HEAD_DIM) and cache.get_seq_length() == 161
+    cache.update(*kv(1, seed=16), 0)
+    layer.attend_pending(query())
+    assert cache.get_seq_length() == 162
