@@ -492,6 +492,8 @@ double run_work(const SeqRun& run, bool awake = false) {
          (double)dense_macs(job, job.L.batch) / kMinDenseMacsPerThread;
 }
 
+constexpr int64_t kMinSplitGroups = 32;
+
 // Split a sequence's work into about `wanted` items: its groups into splits (merged by
 // log-sum-exp), then, for a chunk of many queries, its rows into blocks that each read every key
 // (so a short cache with a long chunk still fills the threads).
@@ -499,6 +501,13 @@ void split_run(SeqRun& run, int64_t wanted) {
   AttendJob& job = run.job;
   const int64_t heads = job.L.batch * job.L.kv_heads;
   int64_t splits = (wanted + heads - 1) / heads;
+  // no split of fewer than kMinSplitGroups groups, but a quarter of the items wanted (two a thread)
+  // whatever their size: an item's fixed cost (its rows' set-up, the integer path's channel order,
+  // a partial row to merge) is that of a few groups
+  const int64_t quarter = (wanted / 4 + heads - 1) / heads;
+  const int64_t by_size = job.n.groups / kMinSplitGroups;
+  const int64_t most = by_size > quarter ? by_size : quarter;
+  if (splits > most) splits = most;
   if (splits > job.n.groups) splits = job.n.groups;
   job.splits = splits < 1 ? 1 : splits;
   int64_t row_blocks = (wanted + heads * job.splits - 1) / (heads * job.splits);

@@ -627,6 +627,30 @@ def test_attention_on_a_callers_pool_is_bit_identical(ops):
         assert code == 6 and "parallel-for" in message
 
 
+@pytest.mark.parametrize("tokens, threads, items", [(8192, 2, 6), (8192, 4, 9), (32768, 2, 18), (2048, 2, 6)])
+def test_a_calls_splits_hold_32_groups_unless_threads_want_more(ops, tokens, threads, items):
+    """A work item costs a few groups' time besides its groups (its rows' set-up, the integer path's
+    channel order, a partial row to merge): a call splits a KV head's groups no finer than 32 a
+    split, unless that leaves fewer than two items a thread; 8 a thread otherwise. SmolLM2-135M's
+    layer (3 KV heads of 64 channels): 62 groups at 8K, 6 items on 2 threads (8 a thread asked for 18),
+    9 on 4; 254 groups at 32K, 18 on 2; 14 groups at 2K, still two items a thread. Every item runs
+    once."""
+    lib = core_ops.core_library()
+    layout = CacheLayout(PnMixConfig(), 1, 3, 64, tokens)
+    k, v = make_random_kv(1, 3, tokens, 64, seed=5)
+    state, seq_len = run_schedule(ops.append, layout, [tokens], k, v)
+    lay, st = core_ops.c_layout(layout), core_ops.c_state(state)
+    q = torch.randn(1, 9, 1, 64)
+    want, got = torch.empty(1, 9, 1, 64), torch.full((1, 9, 1, 64), float("nan"))
+    args = (ctypes.byref(lay), ctypes.byref(st), seq_len, q.data_ptr(), 1, 9, 1, q.numel() * 4, None, None, 0, 0)
+    ran: list = []
+    runner = reverse_order_runner(ran)
+    assert lib.pnmix_attend_on(*args, got.data_ptr(), got.numel() * 4, threads, native.address(runner), None) == 0
+    assert sorted(ran) == list(range(items))
+    assert lib.pnmix_attend(*args, want.data_ptr(), want.numel() * 4, threads) == 0
+    assert (got - want).abs().max().item() <= 1e-3  # the core's own split: the paths' rounding apart
+
+
 def test_torch_threads_switch(monkeypatch):
     """CoreOps takes torch's OpenMP team unless told not to (the argument, else PNMIX_TORCH_THREADS,
     read where the ops are made: a copy reads it again); a bad switch is one line."""

@@ -280,7 +280,7 @@ def test_a_batched_decode_step_runs_on_a_callers_threads_split_as_on_torchs():
     from pnmix.testing import reverse_order_runner
 
     make_ops("core")  # (skips without the library)
-    totals = [3, 100, 165, 1000, 4096, 700, 129]
+    totals = [3, 100, 165, 1000, 8500, 700, 129]  # 8,500 tokens: 66 groups, two splits of 32 or more
     paged, kv_pages, tables, k_new, v_new = filled_batch(totals)
     q = torch.randn(len(totals), 9, 64, generator=torch.Generator().manual_seed(3)).half()
     ran: list = []
