@@ -247,8 +247,8 @@ void move_sink_and_residual(const AppendJob& job, int64_t bh) {
     memcpy(sink_v + (bh * S + job.before.sink + t) * D, job.v + (bh * job.n + t) * D, row);
   }
   // rows only move towards the front, so a forward copy is safe; with no group flushed the rows
-  // held stay where they are (a decode step copied its whole residual onto itself: 2 x 128-255
-  // rows a head, 10 us of SmolLM2's 8K call)
+  // held stay where they are (a decode step copied its whole residual onto itself: K and V, up to
+  // residual_size - 1 rows a head, 9 us of SmolLM2's 8K call)
   const int64_t skip = (job.after.groups - job.before.groups) * gs;
   for (int64_t j = skip ? 0 : job.before.residual; j < job.after.residual; ++j) {
     memmove(res_k + (bh * R + j) * D, stream_row(job, res_k, job.k, bh, skip + j), row);

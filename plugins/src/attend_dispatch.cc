@@ -492,9 +492,10 @@ double run_work(const SeqRun& run, bool awake = false) {
          (double)dense_macs(job, job.L.batch) / kMinDenseMacsPerThread;
 }
 
-// split_run's floor: 32 groups of SmolLM2's heads are about 25 us of a thread's work, against an
-// item's 2-3 us of its own
-constexpr int64_t kMinSplitGroups = 32;
+// split_run's floor, in groups x head_dim x query rows: 32 groups of SmolLM2's heads (head dim 64,
+// 3 rows a KV head), about 25 us of a thread's work against an item's 2-3 us of its own. The bench
+// shape's groups (head dim 128, 4 rows) need 12; a chunk of many queries, 1.
+constexpr int64_t kMinSplitWork = 32 * 64 * 3;
 
 // Split a sequence's work into about `wanted` items: its groups into splits (merged by
 // log-sum-exp), then, for a chunk of many queries, its rows into blocks that each read every key
@@ -503,13 +504,19 @@ void split_run(SeqRun& run, int64_t wanted) {
   AttendJob& job = run.job;
   const int64_t heads = job.L.batch * job.L.kv_heads;
   int64_t splits = (wanted + heads - 1) / heads;
-  // no split of fewer than kMinSplitGroups groups, but a quarter of the items wanted (two a thread)
+  // no split of less than kMinSplitWork, but a quarter of the items wanted (two a thread)
   // whatever their size: an item's fixed cost (its rows' set-up, the integer path's channel order,
-  // a partial row to merge) is that of a few groups
+  // a partial row to merge) is that of a few groups. Where that floor decides, the items fill whole
+  // rounds of the threads (SmolLM2's 3 heads on 4 threads: 12 items, not 9 with a last round of one)
   const int64_t quarter = (wanted / 4 + heads - 1) / heads;
-  const int64_t by_size = job.n.groups / kMinSplitGroups;
+  const int64_t group_work = job.L.head_dim * (job.rows > 0 ? job.rows : 1);
+  const int64_t by_size = job.n.groups / ((kMinSplitWork + group_work - 1) / group_work);
   const int64_t most = by_size > quarter ? by_size : quarter;
-  if (splits > most) splits = most;
+  if (splits > most) {
+    const int64_t threads = wanted / 8;  // run_batch's 8 items a thread (a batch's run: its share)
+    const int64_t rounds = threads > 1 ? (heads * most + threads - 1) / threads : 0;
+    splits = threads > 1 ? (rounds * threads + heads - 1) / heads : most;
+  }
   if (splits > job.n.groups) splits = job.n.groups;
   job.splits = splits < 1 ? 1 : splits;
   int64_t row_blocks = (wanted + heads * job.splits - 1) / (heads * job.splits);

@@ -627,22 +627,27 @@ def test_attention_on_a_callers_pool_is_bit_identical(ops):
         assert code == 6 and "parallel-for" in message
 
 
-@pytest.mark.parametrize("tokens, threads, items", [(8192, 2, 6), (8192, 4, 9), (32768, 2, 18), (2048, 2, 6)])
-def test_a_calls_splits_hold_32_groups_unless_threads_want_more(ops, tokens, threads, items):
+@pytest.mark.parametrize("heads, tokens, threads, items", [
+    ((9, 3, 64), 8192, 2, 6), ((9, 3, 64), 8192, 4, 12), ((9, 3, 64), 32768, 2, 18), ((9, 3, 64), 2048, 2, 6),
+    ((32, 8, 128), 8192, 2, 16)])
+def test_a_calls_splits_hold_a_floor_of_work_unless_threads_want_more(ops, heads, tokens, threads, items):
     """A work item costs a few groups' time besides its groups (its rows' set-up, the integer path's
-    channel order, a partial row to merge): a call splits a KV head's groups no finer than 32 a
-    split, unless that leaves fewer than two items a thread; 8 a thread otherwise. SmolLM2-135M's
-    layer (3 KV heads of 64 channels): 62 groups at 8K, 6 items on 2 threads (8 a thread asked for 18),
-    9 on 4; 254 groups at 32K, 18 on 2; 14 groups at 2K, still two items a thread. Every item runs
-    once."""
+    channel order, a partial row to merge): a call splits a KV head's groups no finer than 32 of
+    SmolLM2-135M's groups (head dim 64, 3 query rows) a split, or as much work, unless that leaves
+    fewer than two items a thread, and then into whole rounds of the threads; 8 items a thread
+    otherwise. SmolLM2's layer (9 query / 3 KV heads): 63 groups at 8K, 6 items on 2 threads (8 a
+    thread asked for 18), 12 on 4 (two items a thread are 9: a last round of one); 255 groups at 32K,
+    18 on 2; 15 groups at 2K, still two items a thread. The bench shape's groups (head dim 128, 4
+    rows) hold 4 times the work: at 8K its 8 KV heads keep 2 splits, 16 items. Every item runs once."""
+    q_heads, kv_heads, dim = heads
     lib = core_ops.core_library()
-    layout = CacheLayout(PnMixConfig(), 1, 3, 64, tokens)
-    k, v = make_random_kv(1, 3, tokens, 64, seed=5)
+    layout = CacheLayout(PnMixConfig(), 1, kv_heads, dim, tokens)
+    k, v = make_random_kv(1, kv_heads, tokens, dim, seed=5)
     state, seq_len = run_schedule(ops.append, layout, [tokens], k, v)
     lay, st = core_ops.c_layout(layout), core_ops.c_state(state)
-    q = torch.randn(1, 9, 1, 64)
-    want, got = torch.empty(1, 9, 1, 64), torch.full((1, 9, 1, 64), float("nan"))
-    args = (ctypes.byref(lay), ctypes.byref(st), seq_len, q.data_ptr(), 1, 9, 1, q.numel() * 4, None, None, 0, 0)
+    q = torch.randn(1, q_heads, 1, dim)
+    want, got = torch.empty(1, q_heads, 1, dim), torch.full((1, q_heads, 1, dim), float("nan"))
+    args = (ctypes.byref(lay), ctypes.byref(st), seq_len, q.data_ptr(), 1, q_heads, 1, q.numel() * 4, None, None, 0, 0)
     ran: list = []
     runner = reverse_order_runner(ran)
     assert lib.pnmix_attend_on(*args, got.data_ptr(), got.numel() * 4, threads, native.address(runner), None) == 0
