@@ -382,7 +382,7 @@ struct SeqRun {
   int64_t first_item = 0, items = 0;
 };
 
-// Check one sequence's arguments and resolve its job, all but the work split (split_run).
+// q_is_fp32 is one of generated.h's PNMIX_QUERY_* encodings.
 int check_query_encoding(int q_is_fp32) {
   if (q_is_fp32 < 0 || q_is_fp32 >= PNMIX_NUM_QUERY_ENCODINGS)
     return fail(PNMIX_ERR_CONFIG, "q_is_fp32 %d: the query encodings are 0 (fp16), 1 (fp32) and 2 (fp32 rounded to fp16)",
@@ -390,6 +390,7 @@ int check_query_encoding(int q_is_fp32) {
   return PNMIX_OK;
 }
 
+// Check one sequence's arguments and resolve its job, all but the work split (split_run).
 // Exactly one of state (contiguous) and paged is given.
 int prepare_run(const pnmix_layout& L, const pnmix_state* state, const pnmix_paged_state* paged, int64_t seq_len,
                 const void* q, int q_is_fp32, int64_t q_heads, int64_t nq, int64_t q_bytes, const uint16_t* k_new,
@@ -509,13 +510,13 @@ void split_run(SeqRun& run, int64_t wanted) {
   // a partial row to merge) is that of a few groups. Where that floor decides, the items fill whole
   // rounds of the threads (SmolLM2's 3 heads on 4 threads: 12 items, not 9 with a last round of one)
   const int64_t quarter = (wanted / 4 + heads - 1) / heads;
-  const int64_t group_work = job.L.head_dim * (job.rows > 0 ? job.rows : 1);
+  const int64_t group_work = job.L.head_dim * job.rows;  // rows >= 1: run_batch splits no empty run
   const int64_t by_size = job.n.groups / ((kMinSplitWork + group_work - 1) / group_work);
   const int64_t most = by_size > quarter ? by_size : quarter;
   if (splits > most) {
+    splits = most;
     const int64_t threads = wanted / 8;  // run_batch's 8 items a thread (a batch's run: its share)
-    const int64_t rounds = threads > 1 ? (heads * most + threads - 1) / threads : 0;
-    splits = threads > 1 ? (rounds * threads + heads - 1) / heads : most;
+    if (threads > 1) splits = ((heads * most + threads - 1) / threads * threads + heads - 1) / heads;
   }
   if (splits > job.n.groups) splits = job.n.groups;
   job.splits = splits < 1 ? 1 : splits;

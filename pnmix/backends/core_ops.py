@@ -107,13 +107,16 @@ def _fp16(t: torch.Tensor, what: str) -> torch.Tensor:
 
 
 _KERNEL_DTYPES = (torch.float16, torch.float32)  # the queries and new K/V the C calls take as they are
-# q_is_fp32 of the attention calls (pnmix_core.h)
-_QUERY_FP16, _QUERY_FP32, _QUERY_FP32_AS_FP16 = (QUERY_ENCODINGS.index(name) for name in ("fp16", "fp32", "fp32_as_fp16"))
+# q_is_fp32 of the attention calls (pnmix_core.h), by (the queries' dtype, whether they count as
+# rounded to fp16): fp32 ones the C call rounds itself where they do
+_QUERY_ENCODING = {(dtype, rounded): QUERY_ENCODINGS.index(
+    "fp16" if dtype == torch.float16 else "fp32_as_fp16" if rounded else "fp32")
+    for dtype in _KERNEL_DTYPES for rounded in (False, True)}
 
 
 def _query_encoding(q: torch.Tensor) -> int:
     """How a C call reads the (fp16 or fp32) queries q: as they are."""
-    return _QUERY_FP32 if q.dtype == torch.float32 else _QUERY_FP16
+    return _QUERY_ENCODING[q.dtype, False]
 
 
 def _step_kv(t: torch.Tensor, what: str) -> torch.Tensor:
@@ -257,15 +260,12 @@ class CoreOps(CacheOps):
             q, k, v = _cpu_query(q), _step_kv(k, "k_new"), _step_kv(v, "v_new")
             if k.dtype != v.dtype:
                 k, v = k.float(), v.float()
-        if q.dtype is torch.float32:  # fp32 queries rounded in the C call: a torch cast less
-            encoding = _QUERY_FP32_AS_FP16 if query_as_fp16 else _QUERY_FP32
-        else:
-            encoding = _QUERY_FP16
         out = torch.empty(q.shape, dtype=torch.float32)  # _output's
         lay, st = native.call_structs(layout, state, _on_cpu)
-        # (q, k, v and out hold elements here: their data_ptr and nbytes, without _ptr's and _nbytes' cases)
+        # (q, k, v and out hold elements here: their data_ptr and nbytes, without _ptr's and _nbytes' cases;
+        # fp32 queries that count as rounded are rounded in the C call: a torch cast less)
         status = self.lib.pnmix_attend_append_on(
-            lay, st, seq_len, q.data_ptr(), encoding, q.shape[1], q.shape[2], q.nbytes,
+            lay, st, seq_len, q.data_ptr(), _QUERY_ENCODING[q.dtype, query_as_fp16], q.shape[1], q.shape[2], q.nbytes,
             k.data_ptr(), v.data_ptr(), int(k.dtype is torch.float32), k.shape[2], k.nbytes, out.data_ptr(),
             out.nbytes, self._threads(), self.runner, self.team_address)
         if status:  # the values are the C call's first check: fp16_kv names the tensor and its tokens
