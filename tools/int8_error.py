@@ -48,29 +48,43 @@ def main() -> None:
 
     diffs = {"fp32": [], "int8": []}
     largest, ran = [0.0], set()
-    original = CoreOps.attend
+    attend, step = CoreOps.attend, CoreOps.attend_append_checked
 
-    def compared(self, q, layout, state, seq_len, k_new=None, v_new=None):
+    def measure(ops, q, layout, state, seq_len, k_new, v_new):
+        """Both paths and the reference on one call's inputs (the state before its append)."""
         want = reference.attend(q, layout, state, seq_len, k_new, v_new)
-        self.set_isa(args.isa)
-        self.set_arith("int8")
-        ran.add(f"{self.arith_for(layout)} on {self.isa()}")
-        got = original(self, q, layout, state, seq_len, k_new, v_new)
-        self.set_arith("fp32")
-        exact = original(self, q, layout, state, seq_len, k_new, v_new)
+        ops.set_isa(args.isa)
+        ops.set_arith("int8")
+        ran.add(f"{ops.arith_for(layout)} on {ops.isa()}")
+        got = attend(ops, q, layout, state, seq_len, k_new, v_new)
+        ops.set_arith("fp32")
+        exact = attend(ops, q, layout, state, seq_len, k_new, v_new)
         diffs["int8"].append(float((got - want).abs().max()))
         diffs["fp32"].append(float((exact - want).abs().max()))
         largest[0] = max(largest[0], float(want.abs().max()))
         return exact
 
+    def compared(self, q, layout, state, seq_len, k_new=None, v_new=None):
+        return measure(self, q, layout, state, seq_len, k_new, v_new)
+
+    def compared_step(self, q, layout, state, seq_len, k, v, query_as_fp16=False):
+        # a decode step of the layer's packed path: one C call that attends and appends, its
+        # queries and K/V rounded to fp16 in it; measured on them rounded here, then run (fp32)
+        q16 = q.to(torch.float16) if query_as_fp16 else q
+        measure(self, q16, layout, state, seq_len, k.to(torch.float16), v.to(torch.float16))
+        return step(self, q, layout, state, seq_len, k, v, query_as_fp16)
+
     CoreOps.attend = compared  # type: ignore[method-assign]
+    CoreOps.attend_append_checked = compared_step  # type: ignore[method-assign]
     try:
         cache = seeded_cache(method, model.config, prefill)
         with attention(model, "pnmix"):
             for token in ids[args.context: args.context + args.steps]:
                 decode_step(model, cache, token)
     finally:
-        CoreOps.attend = original  # type: ignore[method-assign]
+        CoreOps.attend, CoreOps.attend_append_checked = attend, step  # type: ignore[method-assign]
+    if not diffs["int8"]:
+        raise SystemExit("error: the decode made no call of the core's attention (did the model take the packed path?)")
 
     report = {"model": args.model, "context": args.context, "steps": args.steps, "calls": len(diffs["int8"]),
               "int8_ran": sorted(ran), "max_abs_output": largest[0],
