@@ -31,6 +31,7 @@ SLOW_MODULES = {
     "tests/backends/test_loop_bench.py": "compiles the VNNI kernel's source into tools/loop_bench.cc",
     "tests/backends/test_exp_accuracy.py": "compiles two kernel files with g++ and runs 2^22 points per exponential",
     "tests/backends/test_core_sanitized.py": "builds libpnmix_core with AddressSanitizer and runs core tests under it",
+    "tests/backends/test_int8_error.py": "the real SmolLM2-135M, each decode call on both paths and the reference",
 }
 
 MARKED_SLOW = re.compile(r"\bmark\.slow\b")
