@@ -4,9 +4,10 @@
 
 Prefills ``--context`` tokens of the text (Hamlet by default) in full precision, hands the K/V to a
 PnMixCache (the manifest's config) as ``pnmix eval`` does, and decodes ``--steps`` teacher-forced
-tokens under the packed attention. Every call of libpnmix_core's attention runs three times on the
-same inputs: the fp32 path, the int8 path and the PyTorch reference (pnmix.reference.attend); the
-decode itself continues with the fp32 output, so every method sees the same inputs. Prints the max
+tokens under the packed attention. Every call of libpnmix_core's attention (a decode step's
+attend-and-append call per layer, measured on the state before its append) is run on the same inputs
+by the fp32 path, the int8 path and the PyTorch reference (pnmix.reference.attend); the decode
+itself continues with the fp32 path's output, so every call sees the same inputs. Prints the max
 |diff| of both paths against the reference over all calls (30 layers x steps), their medians, the
 largest |output|, and which arithmetic and kernel the int8 calls ran; ``--json`` writes them.
 """

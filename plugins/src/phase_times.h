@@ -24,10 +24,11 @@ enum Phase : int {
   kPhaseKeyWeights,  // the integer path's key weights, rounded per block (0 in fp32)
   kPhaseKeyScores,   // the key codes' decode and products
   kPhaseSoftmax,     // the value steps, the causal mask, the online softmax, folding p into the value steps
+                     // and the rows' running sums of the value offsets
   kPhaseValueWeights,  // the VNNI kernel's value weights, rounded per row (0 elsewhere: the AVX2 pair
                        // kernel rounds a row's beside its products, in values)
   kPhaseValues,      // the value weights' rounding (AVX2 integer path), the value codes' decode and products
-  kPhaseTail,        // the read-ahead's rest and the value offsets' sums
+  kPhaseTail,        // the read-ahead's rest
   kPhases
 };
 

