@@ -51,8 +51,9 @@ def main() -> None:
     largest, ran = [0.0], set()
     attend, step = CoreOps.attend, CoreOps.attend_append_checked
 
-    def measure(ops, q, layout, state, seq_len, k_new, v_new):
-        """Both paths and the reference on one call's inputs (the state before its append)."""
+    def measure(ops, q, layout, state, seq_len, k_new=None, v_new=None):
+        """CoreOps.attend's stand-in: both paths and the reference on one call's inputs (a step's:
+        the state before its append); returns the fp32 path's output."""
         want = reference.attend(q, layout, state, seq_len, k_new, v_new)
         ops.set_isa(args.isa)
         ops.set_arith("int8")
@@ -65,9 +66,6 @@ def main() -> None:
         largest[0] = max(largest[0], float(want.abs().max()))
         return exact
 
-    def compared(self, q, layout, state, seq_len, k_new=None, v_new=None):
-        return measure(self, q, layout, state, seq_len, k_new, v_new)
-
     def compared_step(self, q, layout, state, seq_len, k, v, query_as_fp16=False):
         # a decode step of the layer's packed path: one C call that attends and appends, its
         # queries and K/V rounded to fp16 in it; measured on them rounded here, then run (fp32)
@@ -75,7 +73,7 @@ def main() -> None:
         measure(self, q16, layout, state, seq_len, k.to(torch.float16), v.to(torch.float16))
         return step(self, q, layout, state, seq_len, k, v, query_as_fp16)
 
-    CoreOps.attend = compared  # type: ignore[method-assign]
+    CoreOps.attend = measure  # type: ignore[method-assign]
     CoreOps.attend_append_checked = compared_step  # type: ignore[method-assign]
     try:
         cache = seeded_cache(method, model.config, prefill)
